@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="torch_xla_bridge",
+    version="0.1.0",
+    description="openxla_fused_grad: a torch.compile backend for PyTorch/XLA that runs the "
+    "backward pass and gradient accumulation as one XLA execution",
+    packages=find_packages(include=["torch_xla_bridge", "torch_xla_bridge.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
+    extras_require={"test": ["pytest"]},
+    entry_points={
+        "torch_dynamo_backends": [
+            "openxla_fused_grad = torch_xla_bridge.backend:openxla_fused_grad",
+        ],
+    },
+)

@@ -1,0 +1,15 @@
+"""torch_xla_bridge: the ``openxla_fused_grad`` backend for ``torch.compile``.
+
+``torch.compile(model, backend="openxla_fused_grad")`` trains like upstream
+``openxla`` but runs the backward pass and the accumulation of every gradient
+into ``.grad`` as one XLA execution. Importing this package registers the
+backend; after ``pip install`` the ``torch_dynamo_backends`` entry point makes
+the name resolvable without any import.
+"""
+
+from .backend import BACKEND_NAME, openxla_fused_grad, register
+
+__all__ = ["BACKEND_NAME", "openxla_fused_grad", "register"]
+__version__ = "0.1.0"
+
+register()

@@ -1,0 +1,84 @@
+"""Registration of ``openxla_fused_grad`` and its AOTAutograd wiring.
+
+The backend is upstream ``openxla`` with a backward compiler of our own: the
+forward runs through torch_xla's dynamo bridge unchanged, the backward is
+deferred (see :mod:`torch_xla_bridge.dynamo_bridge`) and synced together with
+the gradient accumulation by one autograd engine callback (see
+:mod:`torch_xla_bridge.grad_sync`).
+
+This module imports only torch, so that dynamo can list the backend (and the
+entry point can load it) on a machine without torch_xla; torch_xla is imported
+when a graph is compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import register_backend
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "openxla_fused_grad"
+TORCH_XLA_INSTALL = "pip install torch_xla==2.9.0"
+
+
+def require_torch_xla() -> None:
+    """Raises an ImportError naming the install command if torch_xla is missing."""
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"backend={BACKEND_NAME!r} needs torch_xla, which could not be imported "
+            f"({e}). Install the release that matches torch {torch.__version__.split('+')[0]}: "
+            f"`{TORCH_XLA_INSTALL}`, and run with an XLA device (e.g. PJRT_DEVICE=CPU)."
+        ) from e
+
+
+def openxla_fused_grad(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+) -> Callable[..., Any]:
+    """Dynamo backend: upstream ``openxla`` forward, backward fused with ``.grad`` accumulation.
+
+    Invariant: every backward pass that runs at least one graph compiled here
+    ends with exactly one ``_xla_sync_multi`` call, made after the last
+    AccumulateGrad node, covering the ``.grad`` of every leaf those graphs saw.
+    """
+    require_torch_xla()
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+    from . import dynamo_bridge, grad_sync
+
+    dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
+    leaves = grad_sync.LeafRegistry.for_graph(gm, example_inputs)
+    compiled = aot_autograd(
+        fw_compiler=openxla_eval_boxed,
+        bw_compiler=functools.partial(dynamo_bridge.compile_deferred_backward, leaves=leaves),
+    )(gm, example_inputs, **kwargs)
+
+    # Not functools.wraps: it would copy dynamo's "disabled" markers from
+    # `compiled`, and dynamo would then call `compiled` directly.
+    def run(*args: Any) -> Any:
+        leaves.record(args)
+        return compiled(*args)
+
+    return run
+
+
+def register() -> None:
+    """Makes ``backend="openxla_fused_grad"`` resolvable; safe to call repeatedly.
+
+    When dynamo has already discovered our ``torch_dynamo_backends`` entry
+    point it registers the backend itself on first lookup (registering it here
+    too would trip dynamo's duplicate-name check), so only the name's absence
+    from both tables leads to registering here.
+    """
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS or registry._BACKENDS.get(BACKEND_NAME) is not None:
+        return
+    register_backend(compiler_fn=openxla_fused_grad, name=BACKEND_NAME)
