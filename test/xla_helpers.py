@@ -68,7 +68,11 @@ class SmallCNN(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """A two-block causal LM with the output projection tied to the embedding."""
+    """A two-block causal LM whose output projection is the embedding matrix (tied weights).
+
+    Tied in ``forward`` rather than by sharing a Parameter, because moving a
+    module to XLA replaces each Parameter object and would untie them.
+    """
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, seq: int = 8) -> None:
         super().__init__()
@@ -79,14 +83,12 @@ class TinyTransformer(nn.Module):
         )
         self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos
         h = self.blocks(h, mask=self.mask, is_causal=True)
-        return self.head(self.norm(h))
+        return F.linear(self.norm(h), self.embed.weight)
 
 
 @dataclasses.dataclass
