@@ -31,7 +31,7 @@ def assert_same_grads(a: nn.Module, b: nn.Module, rtol: float = 1e-6, atol: floa
     ga, gb = grads_of(a), grads_of(b)
     assert ga.keys() == gb.keys()
     for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(ga[name], gb[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def both_backends(make, run, steps: int = 3):
@@ -133,7 +133,7 @@ def test_batchnorm_buffers_train_and_eval():
     fused, base = both_backends(lambda: SmallCNN(batch_norm=True), run)
     assert execs[1:3] == [2, 2]  # forward (with the buffer update) + backward
     for name, value in cpu_state(fused).items():
-        torch.testing.assert_close(value, cpu_state(base)[name], rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(value, cpu_state(base)[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert_same_grads(fused, base)
 
 
@@ -253,4 +253,4 @@ def test_zero_grad_modes_eager_cpu_reference(set_to_none):
         compiled(x.to(device())).square().mean().backward()
         cpu_model(x).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -78,8 +78,11 @@ class TinyTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        # No biases: the key bias has an exactly-zero true gradient (softmax is
+        # shift-invariant), and AdamW would amplify its rounding noise, which
+        # differs between any two devices, into lr-sized updates.
         layer = nn.TransformerEncoderLayer(
-            dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True
+            dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True, bias=False
         )
         self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)

@@ -1,0 +1,120 @@
+"""Where fusing is impossible: upstream behaviour, correct, said once; bad input: a clear error."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from xla_helpers import FUSED, device, mlp, pending
+
+
+def run_steps(model: nn.Module, loss_of, steps: int = 2, **backward_kw):
+    compiled = torch.compile(model, backend=FUSED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model.zero_grad()
+            loss_of(compiled).backward(**backward_kw)
+    ours = [w for w in caught if "openxla_fused_grad" in str(w.message)]
+    return ours
+
+
+def assert_grads_match_cpu(model: nn.Module, cpu_model: nn.Module, loss_of, **backward_kw) -> None:
+    cpu_model.zero_grad()
+    loss_of(cpu_model).backward(**backward_kw)
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_create_graph_falls_back_with_one_warning():
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    x = torch.randn(8, 16)
+
+    def loss_of(m):
+        return m(x.to(next(m.parameters()).device)).square().mean()
+
+    ours = run_steps(model, loss_of, steps=3, create_graph=True)
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "create_graph=True" in str(ours[0].message)
+    assert_grads_match_cpu(model, cpu_model, loss_of, create_graph=True)
+
+
+class LogGamma(nn.Module):
+    """lgamma's backward needs digamma, which torch_xla runs on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.lgamma(self.fc(x).abs() + 1.5)
+
+
+def test_cpu_fallback_op_in_backward_falls_back_with_one_warning():
+    torch.manual_seed(0)
+    cpu_model = LogGamma()
+    model = copy.deepcopy(cpu_model).to(device())
+    x = torch.randn(8, 16)
+
+    def loss_of(m):
+        return m(x.to(next(m.parameters()).device)).sum()
+
+    ours = run_steps(model, loss_of, steps=3)
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "CPU fallback" in str(ours[0].message) and "digamma" in str(ours[0].message)
+    assert_grads_match_cpu(model, cpu_model, loss_of)
+
+
+class NoisyIdentity(torch.autograd.Function):
+    """Identity whose backward draws random numbers (weighted by zero)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0.0 * torch.rand_like(g)
+
+
+def test_random_op_in_backward_falls_back_with_one_warning():
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    x = torch.randn(8, 16)
+
+    def loss_of(m):
+        return NoisyIdentity.apply(m(x.to(next(m.parameters()).device))).square().mean()
+
+    ours = run_steps(model, loss_of)
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "random" in str(ours[0].message)
+    assert_grads_match_cpu(model, cpu_model, loss_of)
+
+
+def test_fused_path_warns_nothing():
+    model = mlp().to(device())
+    x = torch.randn(8, 16).to(device())
+    assert run_steps(model, lambda m: m(x).sum(), steps=2) == []
+    assert not any(pending([p.grad for p in model.parameters()]))
+
+
+def test_model_on_cpu_is_a_clear_error():
+    model = mlp()
+    compiled = torch.compile(model, backend=FUSED)
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(8, 16))
+    message = str(info.value)
+    assert "is on device cpu, not on an XLA device" in message
+    assert "model.to(device)" in message and "torch_xla.device()" in message
+
+
+def test_input_on_cpu_is_a_clear_error():
+    model = mlp().to(device())
+    compiled = torch.compile(model, backend=FUSED)
+    with pytest.raises(Exception, match=r"shape \(8, 16\).*is on device cpu"):
+        compiled(torch.randn(8, 16))
