@@ -81,14 +81,19 @@ class NoisyIdentity(torch.autograd.Function):
         return g + 0.0 * torch.rand_like(g)
 
 
+class Noisy(nn.Module):
+    def forward(self, x):
+        return NoisyIdentity.apply(x)
+
+
 def test_random_op_in_backward_falls_back_with_one_warning():
     torch.manual_seed(0)
-    cpu_model = mlp()
+    cpu_model = nn.Sequential(mlp(), Noisy())
     model = copy.deepcopy(cpu_model).to(device())
     x = torch.randn(8, 16)
 
     def loss_of(m):
-        return NoisyIdentity.apply(m(x.to(next(m.parameters()).device))).square().mean()
+        return m(x.to(next(m.parameters()).device)).square().mean()
 
     ours = run_steps(model, loss_of)
     assert len(ours) == 1, [str(w.message) for w in ours]
@@ -115,6 +120,9 @@ def test_model_on_cpu_is_a_clear_error():
 
 def test_input_on_cpu_is_a_clear_error():
     model = mlp().to(device())
-    compiled = torch.compile(model, backend=FUSED)
-    with pytest.raises(Exception, match=r"shape \(8, 16\).*is on device cpu"):
+    # A CPU input that reaches the backend (dynamo itself rejects an op mixing
+    # CPU and XLA operands earlier, naming both devices).
+    dev = device()
+    compiled = torch.compile(lambda x: model(x.to(dev)), backend=FUSED)
+    with pytest.raises(Exception, match=r"graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
         compiled(torch.randn(8, 16))

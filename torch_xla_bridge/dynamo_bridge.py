@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -222,11 +223,28 @@ def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
 
 
 def _unfusable_mode_reason() -> Optional[str]:
-    if torch.is_grad_enabled():
-        return "the backward pass builds a graph (create_graph=True / double backward)"
+    if torch.is_grad_enabled() or _in_aot_double_backward():
+        return "the backward pass builds a graph (create_graph=True)"
     if is_eager_mode():
         return "torch_xla eager mode executes every accumulation on its own"
     return None
+
+
+def _in_aot_double_backward(max_depth: int = 12) -> bool:
+    """True when AOTAutograd runs this backward for ``create_graph=True``.
+
+    AOTAutograd then calls the backward graph from the forward of its
+    ``CompiledFunctionBackward`` autograd.Function, where grad mode is off, so
+    grad mode cannot tell; the caller's frame can.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_qualname.endswith("CompiledFunctionBackward.forward"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _fallback_counts() -> dict[str, int]:
