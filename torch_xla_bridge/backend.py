@@ -13,7 +13,6 @@ when a graph is compiled.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -46,27 +45,18 @@ def openxla_fused_grad(
 
     Invariant: every backward pass that runs at least one graph compiled here
     ends with exactly one ``_xla_sync_multi`` call, made after the last
-    AccumulateGrad node, covering the ``.grad`` of every leaf those graphs saw.
+    AccumulateGrad node, covering the ``.grad`` of every leaf those graphs feed.
     """
     require_torch_xla()
     from torch._dynamo.backends.torchxla import openxla_eval_boxed
 
-    from . import dynamo_bridge, grad_sync
+    from . import dynamo_bridge
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
-    leaves = grad_sync.LeafRegistry.for_graph(gm, example_inputs)
-    compiled = aot_autograd(
+    return aot_autograd(
         fw_compiler=openxla_eval_boxed,
-        bw_compiler=functools.partial(dynamo_bridge.compile_deferred_backward, leaves=leaves),
+        bw_compiler=dynamo_bridge.compile_deferred_backward,
     )(gm, example_inputs, **kwargs)
-
-    # Not functools.wraps: it would copy dynamo's "disabled" markers from
-    # `compiled`, and dynamo would then call `compiled` directly.
-    def run(*args: Any) -> Any:
-        leaves.record(args)
-        return compiled(*args)
-
-    return run
 
 
 def register() -> None:

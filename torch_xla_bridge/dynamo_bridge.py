@@ -14,6 +14,7 @@ path instead, correctly, with one warning saying why.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import sys
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch._dynamo.backends.torchxla import openxla_eval_boxed
 from torch_xla.experimental.eager import eager_mode_context, is_eager_mode
@@ -55,11 +57,9 @@ def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         )
 
 
-def compile_deferred_backward(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, leaves: grad_sync.LeafRegistry
-) -> Callable[[list], list]:
+def compile_deferred_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], list]:
     """AOTAutograd backward compiler of ``openxla_fused_grad``."""
-    return DeferredBackward(gm, example_inputs, leaves)
+    return DeferredBackward(gm, example_inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +86,40 @@ class _LoweredBackward:
 _Signature = tuple[Any, ...]
 
 
-def _signature(args: Sequence[Any]) -> _Signature:
+def _full_signature(args: Sequence[Any]) -> _Signature:
     return tuple(
         (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
     )
+
+
+def _static_signature(args: Sequence[Any]) -> _Signature:
+    return ()
+
+
+def _is_static(example_inputs: Sequence[Any]) -> bool:
+    """True if AOTAutograd can only ever call the graph with the traced shapes and dtypes."""
+    for a in example_inputs:
+        if isinstance(a, torch.Tensor):
+            if any(not isinstance(d, int) for d in a.shape):
+                return False
+        elif not isinstance(a, (int, float, bool, type(None))) or isinstance(a, torch.SymInt):
+            return False
+    return True
 
 
 class DeferredBackward:
     """Runs a backward graph as one pending XLA node per call.
 
     Invariants: a given input signature is lowered at most once (the cache key
-    is shapes, dtypes and non-tensor values); every call inside an autograd
-    pass hands its outputs to :func:`grad_sync.sync_at_end_of_backward`.
+    is shapes, dtypes and non-tensor values; a graph whose example inputs are
+    all static has one signature, so its key is empty); every call inside an
+    autograd pass hands its outputs to :func:`grad_sync.sync_at_end_of_backward`.
     """
 
-    def __init__(
-        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], leaves: grad_sync.LeafRegistry
-    ) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.gm = gm
         self.example_inputs = example_inputs
-        self.leaves = leaves
+        self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         self._lowered: dict[_Signature, _LoweredBackward] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
         self._static_reason = _unfusable_graph_reason(gm)
@@ -117,7 +131,7 @@ class DeferredBackward:
     def __call__(self, args: list) -> Any:
         reason = self._static_reason or _unfusable_mode_reason()
         if reason is None:
-            key = _signature(args)
+            key = self._signature(args)
             lowered = self._lowered.get(key)
             if lowered is None:
                 lowered, reason = self._lower(args)
@@ -126,7 +140,7 @@ class DeferredBackward:
             if lowered is not None:
                 outs, pending = lowered(args)
                 args.clear()
-                grad_sync.sync_at_end_of_backward(self.leaves, pending)
+                grad_sync.sync_at_end_of_backward(pending)
                 return outs
         return self._run_upstream(args, reason)
 
@@ -139,7 +153,9 @@ class DeferredBackward:
                 stacklevel=2,
             )
         if self._upstream is None:
-            self._upstream = openxla_eval_boxed(self.gm, self.example_inputs)
+            # Upstream's bridge partitions the graph module in place; keep ours
+            # pristine for lowering later calls (e.g. after one create_graph=True pass).
+            self._upstream = openxla_eval_boxed(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
     def _lower(self, args: Sequence[Any]) -> tuple[Optional[_LoweredBackward], Optional[str]]:
@@ -193,6 +209,9 @@ class DeferredBackward:
         such an op is present.
         """
         fallbacks_before = _fallback_counts()
+        # ExecuteTime is recorded when an execution finishes: let earlier
+        # asynchronous ones land first, or they would be counted as ours.
+        xm.wait_device_ops()
         executions_before = _execution_count()
         with torch.no_grad(), eager_mode_context(False):
             outs = self.gm(*args)
@@ -219,6 +238,8 @@ def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
             return f"it draws random numbers ({node.target}), which a cached computation would freeze"
         if node.target._schema.is_mutable:
             return f"it updates a tensor in place ({node.target})"
+        if node.target is torch.ops.aten._local_scalar_dense.default:
+            return f"it reads a tensor value on the host ({node.target})"
     return None
 
 
@@ -230,7 +251,7 @@ def _unfusable_mode_reason() -> Optional[str]:
     return None
 
 
-def _in_aot_double_backward(max_depth: int = 12) -> bool:
+def _in_aot_double_backward(max_depth: int = 8) -> bool:
     """True when AOTAutograd runs this backward for ``create_graph=True``.
 
     AOTAutograd then calls the backward graph from the forward of its
