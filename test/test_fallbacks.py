@@ -126,3 +126,21 @@ def test_input_on_cpu_is_a_clear_error():
     compiled = torch.compile(lambda x: model(x.to(dev)), backend=FUSED)
     with pytest.raises(Exception, match=r"graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
         compiled(torch.randn(8, 16))
+
+
+def test_torch_xla_eager_mode_falls_back_with_one_warning():
+    from torch_xla.experimental.eager import eager_mode_context
+
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    x = torch.randn(8, 16)
+
+    def loss_of(m):
+        return m(x.to(next(m.parameters()).device)).square().mean()
+
+    with eager_mode_context(True):
+        ours = run_steps(model, loss_of)
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "eager mode" in str(ours[0].message)
+    assert_grads_match_cpu(model, cpu_model, loss_of)
