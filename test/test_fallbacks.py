@@ -11,17 +11,29 @@ from xla_helpers import FUSED, device, mlp, pending
 
 
 def run_steps(model: nn.Module, loss_of, steps: int = 2, **backward_kw):
+    """Trains the compiled `model` for `steps` steps; returns the warnings our backend gave."""
     compiled = torch.compile(model, backend=FUSED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(steps):
             model.zero_grad()
             loss_of(compiled).backward(**backward_kw)
-    ours = [w for w in caught if "openxla_fused_grad" in str(w.message)]
-    return ours
+    return [w for w in caught if "openxla_fused_grad" in str(w.message)]
 
 
-def assert_grads_match_cpu(model: nn.Module, cpu_model: nn.Module, loss_of, **backward_kw) -> None:
+def assert_falls_back_once(make_model, reason: str, steps: int = 2, **backward_kw) -> None:
+    """Runs a model on XLA; asserts one warning containing `reason` and gradients equal to eager CPU."""
+    torch.manual_seed(0)
+    cpu_model = make_model()
+    model = copy.deepcopy(cpu_model).to(device())
+    x = torch.randn(8, 16)
+
+    def loss_of(m):
+        return m(x.to(next(m.parameters()).device)).square().mean()
+
+    ours = run_steps(model, loss_of, steps=steps, **backward_kw)
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert reason in str(ours[0].message)
     cpu_model.zero_grad()
     loss_of(cpu_model).backward(**backward_kw)
     for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
@@ -29,18 +41,7 @@ def assert_grads_match_cpu(model: nn.Module, cpu_model: nn.Module, loss_of, **ba
 
 
 def test_create_graph_falls_back_with_one_warning():
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
-    x = torch.randn(8, 16)
-
-    def loss_of(m):
-        return m(x.to(next(m.parameters()).device)).square().mean()
-
-    ours = run_steps(model, loss_of, steps=3, create_graph=True)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "create_graph=True" in str(ours[0].message)
-    assert_grads_match_cpu(model, cpu_model, loss_of, create_graph=True)
+    assert_falls_back_once(mlp, "create_graph=True", steps=3, create_graph=True)
 
 
 class LogGamma(nn.Module):
@@ -55,18 +56,7 @@ class LogGamma(nn.Module):
 
 
 def test_cpu_fallback_op_in_backward_falls_back_with_one_warning():
-    torch.manual_seed(0)
-    cpu_model = LogGamma()
-    model = copy.deepcopy(cpu_model).to(device())
-    x = torch.randn(8, 16)
-
-    def loss_of(m):
-        return m(x.to(next(m.parameters()).device)).sum()
-
-    ours = run_steps(model, loss_of, steps=3)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "CPU fallback" in str(ours[0].message) and "digamma" in str(ours[0].message)
-    assert_grads_match_cpu(model, cpu_model, loss_of)
+    assert_falls_back_once(LogGamma, "CPU fallback): aten::digamma", steps=3)
 
 
 class NoisyIdentity(torch.autograd.Function):
@@ -87,18 +77,14 @@ class Noisy(nn.Module):
 
 
 def test_random_op_in_backward_falls_back_with_one_warning():
-    torch.manual_seed(0)
-    cpu_model = nn.Sequential(mlp(), Noisy())
-    model = copy.deepcopy(cpu_model).to(device())
-    x = torch.randn(8, 16)
+    assert_falls_back_once(lambda: nn.Sequential(mlp(), Noisy()), "draws random numbers")
 
-    def loss_of(m):
-        return m(x.to(next(m.parameters()).device)).square().mean()
 
-    ours = run_steps(model, loss_of)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "random" in str(ours[0].message)
-    assert_grads_match_cpu(model, cpu_model, loss_of)
+def test_torch_xla_eager_mode_falls_back_with_one_warning():
+    from torch_xla.experimental.eager import eager_mode_context
+
+    with eager_mode_context(True):
+        assert_falls_back_once(mlp, "eager mode")
 
 
 def test_fused_path_warns_nothing():
@@ -127,20 +113,3 @@ def test_input_on_cpu_is_a_clear_error():
     with pytest.raises(Exception, match=r"graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
         compiled(torch.randn(8, 16))
 
-
-def test_torch_xla_eager_mode_falls_back_with_one_warning():
-    from torch_xla.experimental.eager import eager_mode_context
-
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
-    x = torch.randn(8, 16)
-
-    def loss_of(m):
-        return m(x.to(next(m.parameters()).device)).square().mean()
-
-    with eager_mode_context(True):
-        ours = run_steps(model, loss_of)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "eager mode" in str(ours[0].message)
-    assert_grads_match_cpu(model, cpu_model, loss_of)
