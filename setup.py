@@ -8,7 +8,11 @@ setup(
     packages=find_packages(include=["torch_xla_bridge", "torch_xla_bridge.*"]),
     python_requires=">=3.10",
     install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        # torchvision and transformers: the drop-in examples the tests run.
+        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6"],
+        "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],
+    },
     entry_points={
         "torch_dynamo_backends": [
             "openxla_fused_grad = torch_xla_bridge.backend:openxla_fused_grad",

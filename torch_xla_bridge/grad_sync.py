@@ -50,12 +50,15 @@ class _BackwardPass:
         self.outputs.extend(map(weakref.ref, outputs))
 
     def tensors_to_sync(self) -> list[torch.Tensor]:
+        # Every leaf of a graph compiled by this backend is on XLA (checked at
+        # compile time), so no device test; two graphs may share a leaf, and an
+        # output may be a .grad itself, hence the deduplication.
         tensors: dict[int, torch.Tensor] = {}
         for node in self.nodes:
             for fn, _ in node.next_functions:
                 if type(fn) is _AccumulateGrad:
                     grad = fn.variable.grad
-                    if grad is not None and grad.device.type == "xla":
+                    if grad is not None:
                         tensors[id(grad)] = grad
         for ref in self.outputs:
             t = ref()

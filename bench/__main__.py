@@ -1,0 +1,212 @@
+"""Benchmarks `openxla_fused_grad` against upstream `openxla`, LazyTensor and `torch_xla.compile`.
+
+Every configuration (workload x loop x mode) runs in its own process (see
+`bench/worker.py`); the figures land in `--out` as results.json, results.md,
+steps.png and scaling.png, with ratios to upstream `openxla` for the same
+workload and loop.
+
+    python -m bench            # the full run (about 25 minutes on 2 CPU cores)
+    python -m bench --quick    # under 5 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from tqdm import tqdm
+
+from bench.worker import DYNAMO_MODES, LOOPS, MODES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plan(quick: bool) -> list[dict]:
+    steps = dict(steps=6, warmup=2) if quick else dict(steps=20, warmup=3)
+    mlp = "mlp8x128" if quick else "mlp32x256"
+    workloads = [mlp, "resnet18", "gpt2-2L"]
+    loops = ["zero_grads", "eager_optimizer"] if quick else list(LOOPS)
+    configs = []
+    for w in workloads:
+        for loop in loops:
+            # LazyTensor and torch_xla.compile have no "compiled optimizer"
+            # variant: their optimizer is always traced with the step.
+            modes = DYNAMO_MODES if loop == "eager_optimizer" else MODES
+            configs += [dict(workload=w, loop=loop, mode=m, study="main", **steps) for m in modes]
+    for n in (10, 100) if quick else (10, 100, 1000):
+        configs += [dict(workload=f"bank{n}", loop="zero_grads", mode=m, study="parameters", **steps)
+                    for m in DYNAMO_MODES]
+    for micro in (1, 4) if quick else (1, 4, 16):
+        configs += [dict(workload=mlp, loop="accumulate4", micro=micro, mode=m, study="micro_batches", **steps)
+                    for m in DYNAMO_MODES]
+    return configs
+
+
+def run_all(configs: list[dict]) -> list[dict]:
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    results = []
+    for cfg in tqdm(configs, desc="bench", unit="config"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.worker", json.dumps(cfg)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            results.append(dict(cfg, error=(proc.stderr.strip().splitlines() or ["no output"])[-1]))
+        else:
+            results.append(json.loads(lines[-1]))
+    return results
+
+
+def _key(r: dict) -> tuple:
+    return (r["study"], r["workload"], r["loop"], r.get("micro"))
+
+
+def add_ratios(results: list[dict]) -> None:
+    base = {_key(r): r for r in results if r["mode"] == "openxla" and "error" not in r}
+    for r in results:
+        b = base.get(_key(r))
+        if b is None or "error" in r:
+            continue
+        for field in ("step_ms", "host_ms", "compile_s", "peak_rss_mb"):
+            r[f"{field}_ratio"] = r[field] / b[field]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import torch_xla
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(
+        cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
+        torch_xla=torch_xla.__version__, pjrt_device=os.environ.get("PJRT_DEVICE", "CPU"),
+        memory_gb=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    )
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(results: list[dict], info: dict, quick: bool) -> str:
+    lines = [
+        f"# Benchmarks{' (quick)' if quick else ''}",
+        "",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gb']} GiB; PJRT_DEVICE={info['pjrt_device']}; "
+        f"torch {info['torch']}, torch_xla {info['torch_xla']}, Python {info['python']}.",
+        "",
+        "Each row is one process: first-step compile time and peak RSS are that configuration's alone. "
+        "Step time: median (p25–p75) of synchronous steps after warm-up; host: Python time until the step's "
+        "last dispatch. Ratios are to upstream `openxla` on the same workload and loop.",
+        "",
+        "| workload | loop | mode | execs/step | step ms (p25–p75) | ratio | host ms | ratio | compile s | ratio "
+        "| peak RSS MB | ratio | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        loop = r["loop"] + (f" x{r['micro']}" if r.get("micro") else "")
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {loop} | {r['mode']} | error: {r['error'][:80]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {r['workload']} | {loop} | {r['mode']} | {r['executions_per_step']} | "
+            f"{r['step_ms']:.2f} ({r['step_p25_ms']:.2f}–{r['step_p75_ms']:.2f}) | {_fmt(r.get('step_ms_ratio'), '.3f')} | "
+            f"{r['host_ms']:.2f} | {_fmt(r.get('host_ms_ratio'), '.3f')} | {r['compile_s']:.2f} | "
+            f"{_fmt(r.get('compile_s_ratio'), '.3f')} | {r['peak_rss_mb']:.0f} | {_fmt(r.get('peak_rss_mb_ratio'), '.3f')} | "
+            f"{r['final_loss']:.5f} |"
+        )
+    fused = [r for r in results if r["mode"] == "openxla_fused_grad" and "callback_share" in r]
+    if fused:
+        lines += ["", "End-of-backward callback (collect + one sync) of `openxla_fused_grad`:", "",
+                  "| workload | loop | callback ms | share of step time |", "|---|---|---|---|"]
+        for r in fused:
+            loop = r["loop"] + (f" x{r['micro']}" if r.get("micro") else "")
+            lines.append(f"| {r['workload']} | {loop} | {r['callback_ms']:.3f} | {100 * r['callback_share']:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in results if r["study"] == "main" and "error" not in r]
+    groups = sorted({(r["workload"], r["loop"]) for r in main}, key=lambda g: [x for x in g])
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.5))
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        xs, ys = [], []
+        for j, g in enumerate(groups):
+            r = next((r for r in main if (r["workload"], r["loop"]) == g and r["mode"] == mode), None)
+            if r is not None:
+                xs.append(j + i * width)
+                ys.append(r["step_ms"])
+        ax.bar(xs, ys, width, label=mode)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{loop}" for w, loop in groups], fontsize=7)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("Step time by workload, loop and mode")
+    fig.tight_layout()
+    fig.savefig(out / "steps.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, study, xfield, xlabel in (
+        (axes[0], "parameters", lambda r: int(r["workload"][4:]), "parameter tensors"),
+        (axes[1], "micro_batches", lambda r: r["micro"], "micro-batches per step"),
+    ):
+        for mode in DYNAMO_MODES:
+            rows = sorted((r for r in results if r["study"] == study and r["mode"] == mode and "error" not in r),
+                          key=xfield)
+            ax.plot([xfield(r) for r in rows], [r["host_ms"] for r in rows], marker="o", label=f"{mode} host")
+            if mode == "openxla_fused_grad":
+                ax.plot([xfield(r) for r in rows], [r["callback_ms"] for r in rows], marker="x", linestyle="--",
+                        label="fused: callback + sync")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+    fig.suptitle("Per-step host overhead as the step grows")
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads, fewer loops (under 5 minutes)")
+    ap.add_argument("--out", type=Path, default=None, help="default: docs/benchmarks (quick: docs/benchmarks/quick)")
+    args = ap.parse_args(argv)
+    out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_all(plan(args.quick))
+    add_ratios(results)
+    info = machine()
+    (out / "results.json").write_text(json.dumps(dict(machine=info, quick=args.quick, results=results), indent=1))
+    (out / "results.md").write_text(markdown(results, info, args.quick))
+    plot(results, out)
+    errors = [r for r in results if "error" in r]
+    print(f"wrote {out}/results.json, results.md, steps.png, scaling.png; {len(results)} configurations, "
+          f"{len(errors)} failed")
+    if errors:
+        for r in errors:
+            print("FAILED", r["workload"], r["loop"], r["mode"], r["error"], file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

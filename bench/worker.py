@@ -1,0 +1,156 @@
+"""Runs one benchmark configuration in a fresh process and prints its figures as one JSON line.
+
+A process per configuration keeps first-step compile time and peak RSS
+(`ru_maxrss`) attributable to that configuration alone.
+
+    python -m bench.worker '{"workload": "mlp8x128", "mode": "openxla_fused_grad", "loop": "zero_grads"}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
+
+from bench.models import by_name  # noqa: E402
+
+MODES = ("openxla", "openxla_fused_grad", "lazy", "torch_xla.compile")
+DYNAMO_MODES = MODES[:2]
+# name -> (set_to_none, micro-batches per step, optimizer compiled with the backend)
+LOOPS: dict[str, tuple[bool, int, bool]] = {
+    "set_to_none": (True, 1, True),
+    "zero_grads": (False, 1, True),
+    "accumulate4": (False, 4, True),
+    "eager_optimizer": (False, 1, False),
+}
+
+
+def executions() -> int:
+    data = met.metric_data("ExecuteTime")
+    return data[0] if data else 0
+
+
+def _time_callbacks() -> list[float]:
+    """Collects the seconds each end-of-backward callback (collect + sync) takes."""
+    from torch_xla_bridge import grad_sync
+
+    spent: list[float] = []
+    original = grad_sync._BackwardPass.sync
+
+    def timed(self: Any) -> None:
+        t0 = time.perf_counter()
+        original(self)
+        spent.append(time.perf_counter() - t0)
+
+    grad_sync._BackwardPass.sync = timed
+    return spent
+
+
+def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
+    mode, (set_to_none, micro, compiled_opt) = cfg["mode"], LOOPS[cfg["loop"]]
+    micro = cfg.get("micro", micro)
+    workload = by_name(cfg["workload"])
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    model = workload.make_model().to(dev)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(t.to(dev) for t in workload.make_batch(g)) for _ in range(micro)]
+
+    def loss_of(*batch: torch.Tensor) -> torch.Tensor:
+        return workload.loss(model, batch) / micro
+
+    if mode in DYNAMO_MODES:
+        fwd = torch.compile(loss_of, backend=mode)
+        opt_step = torch.compile(opt.step, backend=mode) if compiled_opt else opt.step
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=set_to_none)
+            for batch in batches:
+                loss = fwd(*batch)
+                loss.backward()
+            opt_step()
+            if not compiled_opt:
+                torch_xla.sync()
+            return loss
+
+        return step, model
+
+    def whole_step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=set_to_none)
+        for batch in batches:
+            loss = loss_of(*batch)
+            loss.backward()
+        opt.step()
+        return loss
+
+    if mode == "lazy":
+
+        def step() -> torch.Tensor:
+            loss = whole_step()
+            torch_xla.sync()
+            return loss
+
+        return step, model
+    if mode == "torch_xla.compile":
+        return torch_xla.compile(whole_step), model
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def run(cfg: dict) -> dict:
+    callbacks = _time_callbacks() if cfg["mode"] == "openxla_fused_grad" else []
+    step, _ = build_step(cfg)
+    steps, warmup = cfg.get("steps", 20), cfg.get("warmup", 3)
+    host, total, execs, losses = [], [], [], []
+    for i in range(warmup + steps):
+        xm.wait_device_ops()
+        e0 = executions()
+        n_callbacks = len(callbacks)
+        t0 = time.perf_counter()
+        loss = step()
+        t1 = time.perf_counter()
+        xm.wait_device_ops()
+        t2 = time.perf_counter()
+        if i == 0:
+            compile_s = t2 - t0
+        if i >= warmup:
+            host.append(t1 - t0)
+            total.append(t2 - t0)
+            execs.append(executions() - e0)
+            callbacks_s = sum(callbacks[n_callbacks:])
+            losses.append(loss.item())
+            if callbacks:
+                cfg.setdefault("_callback_s", []).append(callbacks_s)
+    q = statistics.quantiles(total, n=4) if len(total) > 1 else [total[0]] * 3
+    out = dict(
+        cfg,
+        executions_per_step=statistics.mode(execs),
+        step_ms=1e3 * statistics.median(total),
+        step_p25_ms=1e3 * q[0],
+        step_p75_ms=1e3 * q[2],
+        host_ms=1e3 * statistics.median(host),
+        compile_s=compile_s,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        final_loss=losses[-1],
+    )
+    if callbacks:
+        spent = out.pop("_callback_s")
+        out["callback_ms"] = 1e3 * statistics.median(spent)
+        out["callback_share"] = statistics.median(c / t for c, t in zip(spent, total))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))
