@@ -1,7 +1,8 @@
 """Runs one benchmark configuration in a fresh process and prints its figures as one JSON line.
 
 A process per configuration keeps first-step compile time and peak RSS
-(`ru_maxrss`) attributable to that configuration alone.
+(`ru_maxrss`) attributable to that configuration alone. A configuration with
+`"modes": [...]` instead times those modes side by side (see `run_alternated`).
 
     python -m bench.worker '{"workload": "mlp8x128", "mode": "openxla_fused_grad", "loop": "zero_grads"}'
 """
@@ -152,5 +153,35 @@ def run(cfg: dict) -> dict:
     return out
 
 
+def run_alternated(cfg: dict) -> dict:
+    """Step time of several modes built side by side in one process, their blocks alternated.
+
+    Separate processes differ by more than the backends do (memory layout,
+    clocks); alternating blocks in one process exposes every mode to the same
+    machine state, which is what the step-time ratios need.
+    """
+    steps = {m: build_step(dict(cfg, mode=m))[0] for m in cfg["modes"]}
+    block, blocks = cfg.get("block", 5), cfg.get("blocks", 8)
+    for step in steps.values():
+        for _ in range(cfg.get("warmup", 3)):
+            step()
+    xm.wait_device_ops()
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for i in range(blocks):
+        order = list(steps) if i % 2 == 0 else list(steps)[::-1]
+        for m in order:
+            for _ in range(block):
+                t0 = time.perf_counter()
+                steps[m]()
+                xm.wait_device_ops()
+                times[m].append(time.perf_counter() - t0)
+    out = {}
+    for m, t in times.items():
+        q = statistics.quantiles(t, n=4)
+        out[m] = dict(step_ms=1e3 * statistics.median(t), step_p25_ms=1e3 * q[0], step_p75_ms=1e3 * q[2])
+    return dict(cfg, timing=out)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    cfg = json.loads(sys.argv[1])
+    print(json.dumps(run_alternated(cfg) if "modes" in cfg else run(cfg)))

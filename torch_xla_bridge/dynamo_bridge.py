@@ -120,7 +120,9 @@ class DeferredBackward:
         self.gm = gm
         self.example_inputs = example_inputs
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
-        self._lowered: dict[_Signature, _LoweredBackward] = {}
+        # Per signature: the lowered graph, or why it cannot be lowered (so the
+        # probe runs once per signature, not once per call).
+        self._lowered: dict[_Signature, Union[_LoweredBackward, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
         self._static_reason = _unfusable_graph_reason(gm)
         self._warned = False
@@ -134,10 +136,10 @@ class DeferredBackward:
             key = self._signature(args)
             lowered = self._lowered.get(key)
             if lowered is None:
-                lowered, reason = self._lower(args)
-                if lowered is not None:
-                    self._lowered[key] = lowered
-            if lowered is not None:
+                lowered = self._lowered[key] = self._lower(args)
+            if isinstance(lowered, str):
+                reason = lowered
+            else:
                 outs, pending = lowered(args)
                 args.clear()
                 grad_sync.sync_at_end_of_backward(pending)
@@ -149,8 +151,7 @@ class DeferredBackward:
             self._warned = True
             warnings.warn(
                 f"{BACKEND_NAME}: this backward graph runs unfused through upstream openxla "
-                f"(gradients correct, but accumulated into .grad outside its execution): {reason}",
-                stacklevel=2,
+                f"(gradients correct, but accumulated into .grad outside its execution): {reason}"
             )
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
@@ -158,10 +159,11 @@ class DeferredBackward:
             self._upstream = openxla_eval_boxed(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
-    def _lower(self, args: Sequence[Any]) -> tuple[Optional[_LoweredBackward], Optional[str]]:
+    def _lower(self, args: Sequence[Any]) -> Union[_LoweredBackward, str]:
+        """Lowers the graph for the signature of ``args``, or returns why it cannot be."""
         reason = self._probe(args)
         if reason is not None:
-            return None, reason
+            return reason
         with torch.no_grad(), eager_mode_context(False):
             placeholders = [
                 xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
@@ -198,7 +200,7 @@ class DeferredBackward:
             sum(not isinstance(s, int) for s in sources),
             len(out_tensors),
         )
-        return _LoweredBackward(computation, tuple(sources), tuple(outputs)), None
+        return _LoweredBackward(computation, tuple(sources), tuple(outputs))
 
     def _probe(self, args: Sequence[Any]) -> Optional[str]:
         """Traces the graph once on the real inputs; returns why it cannot be lowered, if so.
