@@ -12,7 +12,7 @@ Reported: median step time per backend, the ratio of medians (ours /
 upstream), the median of per-pair ratios (each pair ran back to back), and
 executions per step.
 
-    PJRT_DEVICE=CPU python bench/step_time.py [--depth 32] [--width 256] [--blocks 24]
+    PJRT_DEVICE=CPU python -m bench.step_time [--depth 32] [--width 256] [--blocks 24]
 """
 
 from __future__ import annotations
@@ -25,50 +25,26 @@ import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
+
+from bench.worker import build_step, executions  # noqa: E402
 
 BACKENDS = ("openxla", "openxla_fused_grad")
+# Display name -> the loop of bench/worker.py.
 LOOPS = {
-    "set_to_none=False, compiled optimizer": dict(set_to_none=False, compiled_opt=True),
-    "set_to_none=True, compiled optimizer": dict(set_to_none=True, compiled_opt=True),
-    "eager optimizer + mark_step": dict(set_to_none=False, compiled_opt=False),
+    "set_to_none=False, compiled optimizer": "zero_grads",
+    "set_to_none=True, compiled optimizer": "set_to_none",
+    "eager optimizer + mark_step": "eager_optimizer",
 }
 
 
-def executions() -> int:
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
-
-
 class Trainer:
-    def __init__(self, backend: str, depth: int, width: int, set_to_none: bool, compiled_opt: bool) -> None:
-        dev = torch_xla.device()
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        self.model = nn.Sequential(*layers, nn.Linear(width, 10)).to(dev)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.loss = torch.compile(lambda x, y: F.cross_entropy(self.model(x), y), backend=backend)
-        self.opt_step = torch.compile(self.opt.step, backend=backend) if compiled_opt else self.opt.step
-        self.compiled_opt = compiled_opt
-        self.set_to_none = set_to_none
-        self.x = torch.randn(64, width).to(dev)
-        self.y = torch.randint(0, 10, (64,)).to(dev)
-        self.times: list[float] = []
-        self.execs: list[int] = []
+    """One backend's training step on the MLP workload of bench/models.py."""
 
-    def step(self) -> None:
-        self.opt.zero_grad(set_to_none=self.set_to_none)
-        self.loss(self.x, self.y).backward()
-        self.opt_step()
-        if not self.compiled_opt:
-            torch_xla.sync()
+    def __init__(self, backend: str, depth: int, width: int, loop: str) -> None:
+        self.step, _ = build_step(dict(workload=f"mlp{depth}x{width}", mode=backend, loop=loop))
+        self.execs: list[int] = []
 
     def block(self, steps: int, wait_each_step: bool) -> float:
         """Runs `steps` steps from a drained device; returns seconds per step."""
@@ -102,7 +78,7 @@ def measure(trainers: dict[str, Trainer], blocks: int, block: int, wait_each_ste
 def run(depth: int, width: int, blocks: int, block: int, warmup: int) -> list[dict]:
     rows = []
     for loop, kw in LOOPS.items():
-        trainers = {b: Trainer(b, depth, width, **kw) for b in BACKENDS}
+        trainers = {b: Trainer(b, depth, width, kw) for b in BACKENDS}
         for t in trainers.values():
             t.block(warmup, wait_each_step=True)
             t.execs.clear()
