@@ -166,8 +166,8 @@ def test_autograd_grad_writes_no_dot_grad():
 
     fused, base = both_backends(mlp, run)
     assert all(p.grad is None for p in fused.parameters())
-    for got, want in zip(results[id(fused)], results[id(base)]):
-        for g, w in zip(got, want):
+    for got, want in zip(results[id(fused)], results[id(base)], strict=True):
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
@@ -252,5 +252,5 @@ def test_zero_grad_modes_eager_cpu_reference(set_to_none):
         cpu_model.zero_grad(set_to_none=set_to_none)
         compiled(x.to(device())).square().mean().backward()
         cpu_model(x).square().mean().backward()
-    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

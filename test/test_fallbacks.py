@@ -38,7 +38,7 @@ def assert_falls_back_once(make_model, reason: str, steps: int = 2, **backward_k
     assert reason in str(ours[0].message)
     cpu_model.zero_grad()
     loss_of(cpu_model).backward(**backward_kw)
-    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 

@@ -40,6 +40,6 @@ def test_compiled_adamw_matches_upstream_with_two_fewer_executions():
     for name, value in cpu_state(fused.model).items():
         torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=name)
     # The loss seed and the .grad accumulation no longer execute on their own.
-    for ours, theirs in zip(fused.steps[2:], base.steps[2:]):
+    for ours, theirs in zip(fused.steps[2:], base.steps[2:], strict=True):
         assert ours.total == theirs.total - 2, (ours, theirs)
         assert ours.backward == 1 and ours.grads_pending == 0

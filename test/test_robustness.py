@@ -39,7 +39,7 @@ def test_backward_that_raises_leaves_no_stale_state():
         assert executions() - before == 1
         assert not any(pending([p.grad for p in model.parameters()]))
     cpu_model(x).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert grad_sync.live_backward_passes() == 0
 
