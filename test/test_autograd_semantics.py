@@ -254,3 +254,27 @@ def test_zero_grad_modes_eager_cpu_reference(set_to_none):
         cpu_model(x).square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_changing_batch_size_relowers_per_shape():
+    """Automatic dynamic shapes: each new batch size gets its own lowering, a seen one is reused."""
+    sizes = [8, 12, 16, 12]
+    grads, execs, uncached = {}, {}, {}
+
+    def run(model, compiled, step, backend):
+        n = sizes[step]
+        x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n)).to(device())
+        model.zero_grad()
+        e0, u0 = executions(), counter("UncachedCompile")
+        compiled(x).square().mean().backward()
+        execs.setdefault(backend, []).append(executions() - e0)
+        uncached.setdefault(backend, []).append(counter("UncachedCompile") - u0)
+        grads.setdefault(backend, []).append(model[0].weight.grad.cpu())
+        if backend == FUSED:
+            assert not any(pending([p.grad for p in model.parameters()]))
+
+    both_backends(mlp, run, steps=len(sizes))
+    assert execs[FUSED] == [2] * len(sizes)  # forward + (backward with accumulation)
+    assert uncached[FUSED][-1] == 0  # batch 12 again: nothing compiles
+    for got, want in zip(grads[FUSED], grads[UPSTREAM], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
