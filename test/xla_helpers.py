@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Callable, Optional
 
@@ -221,6 +220,3 @@ def train(
 def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
-
-def clone_to(model: nn.Module, dev: torch.device) -> nn.Module:
-    return copy.deepcopy(model).to(dev)
