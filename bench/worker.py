@@ -114,7 +114,7 @@ def run(cfg: dict) -> dict:
     callbacks = _time_callbacks() if cfg["mode"] == "openxla_fused_grad" else []
     step, _ = build_step(cfg)
     steps, warmup = cfg.get("steps", 20), cfg.get("warmup", 3)
-    host, total, execs, losses = [], [], [], []
+    host, total, execs, losses, callback_s = [], [], [], [], []
     for i in range(warmup + steps):
         xm.wait_device_ops()
         e0 = executions()
@@ -130,27 +130,27 @@ def run(cfg: dict) -> dict:
             host.append(t1 - t0)
             total.append(t2 - t0)
             execs.append(executions() - e0)
-            callbacks_s = sum(callbacks[n_callbacks:])
+            callback_s.append(sum(callbacks[n_callbacks:]))
             losses.append(loss.item())
-            if callbacks:
-                cfg.setdefault("_callback_s", []).append(callbacks_s)
-    q = statistics.quantiles(total, n=4) if len(total) > 1 else [total[0]] * 3
     out = dict(
         cfg,
         executions_per_step=statistics.mode(execs),
-        step_ms=1e3 * statistics.median(total),
-        step_p25_ms=1e3 * q[0],
-        step_p75_ms=1e3 * q[2],
+        **_summary(total),
         host_ms=1e3 * statistics.median(host),
         compile_s=compile_s,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         final_loss=losses[-1],
     )
     if callbacks:
-        spent = out.pop("_callback_s")
-        out["callback_ms"] = 1e3 * statistics.median(spent)
-        out["callback_share"] = statistics.median(c / t for c, t in zip(spent, total))
+        out["callback_ms"] = 1e3 * statistics.median(callback_s)
+        out["callback_share"] = statistics.median(c / t for c, t in zip(callback_s, total, strict=True))
     return out
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    """Median and quartiles of step times, in ms."""
+    q = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else [seconds[0]] * 3
+    return dict(step_ms=1e3 * statistics.median(seconds), step_p25_ms=1e3 * q[0], step_p75_ms=1e3 * q[2])
 
 
 def run_alternated(cfg: dict) -> dict:
@@ -175,11 +175,7 @@ def run_alternated(cfg: dict) -> dict:
                 steps[m]()
                 xm.wait_device_ops()
                 times[m].append(time.perf_counter() - t0)
-    out = {}
-    for m, t in times.items():
-        q = statistics.quantiles(t, n=4)
-        out[m] = dict(step_ms=1e3 * statistics.median(t), step_p25_ms=1e3 * q[0], step_p75_ms=1e3 * q[2])
-    return dict(cfg, timing=out)
+    return dict(cfg, timing={m: _summary(t) for m, t in times.items()})
 
 
 if __name__ == "__main__":

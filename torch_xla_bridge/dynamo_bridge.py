@@ -102,7 +102,7 @@ def _is_static(example_inputs: Sequence[Any]) -> bool:
         if isinstance(a, torch.Tensor):
             if any(not isinstance(d, int) for d in a.shape):
                 return False
-        elif not isinstance(a, (int, float, bool, type(None))) or isinstance(a, torch.SymInt):
+        elif not isinstance(a, (int, float, bool, type(None))):  # a SymInt, SymFloat, ...
             return False
     return True
 
