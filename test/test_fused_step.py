@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch_xla.core.xla_model as xm
 
 from xla_helpers import (
+    FUSED,
     FUSED_STEP,
     STEP_COUNTER,
     UPSTREAM,
@@ -75,7 +76,7 @@ def test_gradient_accumulation_is_one_execution_per_step():
     model = mlp().to(device())
     reference = copy.deepcopy(model)
     results = {}
-    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference), (FUSED, copy.deepcopy(reference))):
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
         step = torch.compile(opt.step, backend=backend)
@@ -91,6 +92,7 @@ def test_gradient_accumulation_is_one_execution_per_step():
             counts.append(executions() - e0)
         results[backend] = counts
     assert results[FUSED_STEP][WARMUP:] == [1, 1]
+    assert results[FUSED][WARMUP:] == [9, 9]  # 4 forwards, 4 backwards, the optimizer
     assert results[UPSTREAM][WARMUP:] == [14, 14]
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
@@ -112,7 +114,7 @@ class WithGraphBreaks(nn.Module):
 def test_graph_breaks_stay_one_execution_per_step():
     torch.manual_seed(0)
     cpu_model = WithGraphBreaks()
-    models = {b: copy.deepcopy(cpu_model).to(device()) for b in (FUSED_STEP, UPSTREAM)}
+    models = {b: copy.deepcopy(cpu_model).to(device()) for b in (FUSED_STEP, UPSTREAM, FUSED)}
     x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
     counts = {}
     for backend, model in models.items():
@@ -128,6 +130,7 @@ def test_graph_breaks_stay_one_execution_per_step():
             counts[backend].append(executions() - e0)
     assert counts[FUSED_STEP][1:] == [1, 1, 1]
     assert counts[UPSTREAM][1:] == [8, 8, 8]  # 3 forward and 3 backward graphs, the seed sync, mark_step
+    assert counts[FUSED][1:] == [5, 5, 5]  # 3 forward graphs, one backward for all, mark_step
     for p, q in zip(models[FUSED_STEP].parameters(), models[UPSTREAM].parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
 
@@ -243,3 +246,115 @@ def test_random_forward_runs_upstream_with_one_warning_rest_fused():
     assert len(ours) == 1 and "draws random numbers" in ours[0] and "forward graph" in ours[0], ours
     # The forward executes on its own; backward, accumulation and optimizer are one execution.
     assert counts[WARMUP:] == [2, 2]
+
+
+def test_batchnorm_buffers_match_upstream():
+    task = cnn_task(batch_norm=True)
+    kw = dict(steps=4, set_to_none=False, compiled_optimizer=False)
+    ours = train(task, FUSED_STEP, model=make_model(task), **kw)
+    base = train(task, UPSTREAM, model=make_model(task), **kw)
+    assert_same_training(ours, base, rtol=1e-5, atol=1e-6)  # running_mean/var included in the state
+    assert [r.total for r in ours.steps[WARMUP:]] == [1, 1]
+
+
+def test_changing_batch_size_relowers_per_shape():
+    """Automatic dynamic shapes: a new batch size is lowered once, a seen one compiles nothing."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    sizes = [8, 12, 16, 12]
+    execs, uncached, grads = [], [], {}
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+        compiled = torch.compile(m, backend=backend)
+        grads[backend] = []
+        for n in sizes:
+            x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n)).to(device())
+            m.zero_grad()
+            e0, u0 = executions(), counter("UncachedCompile")
+            compiled(x).square().mean().backward()
+            xm.mark_step()
+            if backend == FUSED_STEP:
+                execs.append(executions() - e0)
+                uncached.append(counter("UncachedCompile") - u0)
+            grads[backend].append(m[0].weight.grad.cpu())
+    assert execs == [1] * len(sizes)
+    assert uncached[-1] == 0  # batch 12 again
+    for got, want in zip(grads[FUSED_STEP], grads[UPSTREAM], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_create_graph_is_correct():
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    compiled = torch.compile(model, backend=FUSED_STEP)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x.to(device())).square().mean().backward(create_graph=True)
+            xm.mark_step()
+    assert any("create_graph=True" in str(w.message) for w in caught if FUSED_STEP in str(w.message))
+    cpu_model(x).square().mean().backward(create_graph=True)
+    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_input_on_cpu_is_a_clear_error():
+    model = mlp().to(device())
+    dev = device()
+    compiled = torch.compile(lambda x: model(x.to(dev)), backend=FUSED_STEP)
+    with pytest.raises(Exception, match=r"backend='openxla_fused_step': graph input 'l_x_' .*is on device cpu"):
+        compiled(torch.randn(8, 16))
+
+
+def test_resolves_without_import():
+    from test_registration import run_python
+
+    proc = run_python(
+        """
+        import sys
+        import torch, torch_xla
+        dev = torch_xla.device()
+        model = torch.nn.Linear(4, 3).to(dev)
+        compiled = torch.compile(model, backend="openxla_fused_step")
+        out = compiled(torch.randn(2, 4).to(dev)).sum()
+        out.backward()
+        torch_xla.sync()
+        print("loaded-by-entry-point", "torch_xla_bridge" in sys.modules, float(out))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded-by-entry-point True" in proc.stdout
+
+
+def test_optimizer_compiled_with_another_backend_degrades_once():
+    """The step then runs in pieces; the forward is switched to executing on its own, once, correctly."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    losses, counts = {}, []
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
+        step = torch.compile(opt.step, backend=UPSTREAM)
+        losses[backend] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                e0 = executions()
+                loss = fwd(x, y)
+                loss.backward()
+                step()
+                opt.zero_grad(set_to_none=False)
+                losses[backend].append(loss.item())
+                if backend == FUSED_STEP:
+                    counts.append(executions() - e0)
+        if backend == FUSED_STEP:
+            ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
+            assert len(ours) == 1 and "executed by something other than" in ours[0], ours
+    # Forward on its own, the optimizer's input sync (backward + accumulation), the optimizer.
+    assert counts[WARMUP:] == [3, 3, 3]
+    assert losses[FUSED_STEP] == pytest.approx(losses[UPSTREAM], rel=1e-6)

@@ -78,6 +78,8 @@ class _Pair:
     launches_at_forward: Optional[int] = None
     launches_at_backward: Optional[int] = None
     unfused_reason: Optional[str] = None
+    # At most one step closure queued per pair, even if no step is ever cut.
+    closure_queued: bool = False
 
     def unfuse(self, reason: str) -> None:
         """Switches the forward to executing on its own; warns once."""
@@ -93,8 +95,18 @@ class _Pair:
 
     def at_step_end(self) -> None:
         """A step closure: the cut is one execution; any other since the backward was a read."""
+        self.closure_queued = False
         if self.launches_at_backward is not None and _launches() - self.launches_at_backward > 1:
             self.unfuse("a value was read (an XLA execution ran) between its backward and the end of the step")
+        self.launches_at_backward = None
+
+    def check_uncut_step(self) -> None:
+        """At the next forward: the previous step ran, but was never cut (no step closure ran)."""
+        if self.launches_at_backward is not None and _launches() > self.launches_at_backward:
+            self.unfuse(
+                "the step after its backward was executed by something other than torch_xla.sync() or a "
+                "graph of this backend (e.g. an optimizer compiled with another backend, or a read)"
+            )
         self.launches_at_backward = None
 
 
@@ -121,6 +133,7 @@ class DeferredForward(DeferredGraph):
         if _pending_parameters(args):
             log.debug("parameters hold pending updates at a forward: syncing the previous step first")
             end_step()
+        self.pair.check_uncut_step()
         return super().__call__(args)
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
@@ -150,7 +163,9 @@ class StepBackward(DeferredBackward):
         outs = super().__call__(args)
         if pair.unfused_reason is None and pair.launches_at_backward is None:
             pair.launches_at_backward = _launches()
-            xm.add_step_closure(pair.at_step_end)
+            if not pair.closure_queued:
+                pair.closure_queued = True
+                xm.add_step_closure(pair.at_step_end)
         return outs
 
 
