@@ -220,32 +220,42 @@ def test_no_grad_graph_ends_the_step_and_matches_upstream():
 class Dropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(16, 4)
+        self.fc = nn.Linear(16, 64)
 
     def forward(self, x):
         return F.dropout(self.fc(x), p=0.5, training=True)
 
 
-def test_random_forward_runs_upstream_with_one_warning_rest_fused():
-    torch.manual_seed(0)
-    model = Dropout().to(device())
-    compiled = torch.compile(model, backend=FUSED_STEP)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(8, 16).to(device())
-    counts = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            e0 = executions()
-            compiled(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            xm.mark_step()
-            counts.append(executions() - e0)
-    ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
-    assert len(ours) == 1 and "draws random numbers" in ours[0] and "forward graph" in ours[0], ours
-    # The forward executes on its own; backward, accumulation and optimizer are one execution.
-    assert counts[WARMUP:] == [2, 2]
+def test_dropout_is_fused_with_a_fresh_mask_every_step():
+    ratios, masks = {}, []
+    for backend in (FUSED_STEP, UPSTREAM):
+        torch.manual_seed(0)
+        model = Dropout().to(device())
+        compiled = torch.compile(model, backend=backend)
+        x = torch.randn(8, 16).to(device())
+        counts = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                model.zero_grad()
+                e0 = executions()
+                out = compiled(x)
+                out.sum().backward()
+                xm.mark_step()
+                counts.append(executions() - e0)
+                kept = (out != 0).sum(0).cpu().float()
+                grad = model.fc.bias.grad.cpu()
+                # The backward used the forward's mask: d(sum)/d(bias) is one factor times kept count.
+                ratio = grad[kept > 0] / kept[kept > 0]
+                assert torch.all(ratio == ratio[0]) and torch.all(grad[kept == 0] == 0)
+                ratios.setdefault(backend, set()).add(ratio[0].item())
+                if backend == FUSED_STEP:
+                    masks.append(out != 0)
+        if backend == FUSED_STEP:
+            assert [str(w.message) for w in caught if FUSED_STEP in str(w.message)] == []
+            assert counts[1:] == [1, 1, 1]
+    assert ratios[FUSED_STEP] == ratios[UPSTREAM] and len(ratios[UPSTREAM]) == 1
+    assert all(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(masks, masks[1:]))  # not frozen
 
 
 def test_batchnorm_buffers_match_upstream():

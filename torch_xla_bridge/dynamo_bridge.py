@@ -7,9 +7,9 @@ its outputs are pending, not executed: the autograd engine's ``.grad``
 accumulation lands in the same pending graph, and the input it gets from
 outside (the loss seed, upstream gradients) fuses in as well.
 
-Where that is impossible (double backward, random ops, CPU-fallback ops,
-in-place input updates, torch_xla eager mode) a graph runs through the upstream
-path instead, correctly, with one warning saying why.
+Where that is impossible (double backward, CPU-fallback ops, in-place input
+updates, torch_xla eager mode) a graph runs through the upstream path instead,
+correctly, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -70,17 +70,45 @@ class _LoweredGraph:
     arguments, or a constant tensor the lowering hoisted into a parameter.
     ``outputs[j]`` is an index into the computation's results, or the
     graph's non-tensor output itself (``None``, a Python number).
+    ``seed``: for a graph that draws random numbers, the parameter that takes
+    the device's RNG seed, and that device; fed a fresh seed on every call.
     """
 
     computation: Any
     sources: tuple[Union[int, torch.Tensor], ...]
     outputs: tuple[tuple[bool, Any], ...]
+    seed: Optional[tuple[int, str]] = None
 
     def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
         inputs = [args[s] if type(s) is int else s for s in self.sources]
+        if self.seed is not None:
+            inputs[self.seed[0]] = _next_seed(self.seed[1])
         results = torch_xla._XLAC._xla_user_computation(_USER_COMPUTATION_NAME, inputs, self.computation)
         outs = [results[v] if is_tensor else v for is_tensor, v in self.outputs]
         return outs, results
+
+
+def _next_seed(device: str) -> torch.Tensor:
+    """The device's RNG seed as a tensor; advances the RNG state, as upstream's bridge does per call."""
+    seed = torch_xla._XLAC._get_base_seed_as_tensor(device)
+    xm.set_rng_state((1012031 + torch_xla._XLAC._xla_get_rng_seed() * 7012063) % 18446744073709551615, device)
+    return seed
+
+
+def _seed_parameter(
+    params: dict[int, torch.Tensor], sources: Sequence[Any], seed_at_trace: int
+) -> Optional[int]:
+    """The hoisted parameter that holds the RNG seed the trace drew from, if exactly one does.
+
+    Random ops derive their seeds from one 0-dim int64 device-data value, the
+    device's base seed when they were traced; reading the few such candidates
+    back happens once per lowering and executes nothing.
+    """
+    found = [
+        pid for pid, t in params.items()
+        if type(sources[pid]) is not int and t.dtype == torch.int64 and t.dim() == 0 and int(t.cpu()) == seed_at_trace
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 _Signature = tuple[Any, ...]
@@ -133,6 +161,7 @@ class DeferredGraph:
         self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
         self._static_reason = _unfusable_graph_reason(gm)
+        self._random = _draws_random_numbers(gm)
         self._warned = False
         # AOTAutograd's calling convention: one list argument that we may clear.
         # An instance attribute, so that dynamo's `disable` wrapper copies it.
@@ -182,6 +211,8 @@ class DeferredGraph:
         reason = self._probe(args)
         if reason is not None:
             return reason
+        # Random ops derive their seeds from the device's base seed (not the running one).
+        seed_at_trace = int(torch_xla._XLAC._get_base_seed_as_tensor(str(torch_xla.device())).cpu()) if self._random else 0
         with torch.no_grad(), eager_mode_context(False):
             placeholders = [
                 xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
@@ -212,6 +243,12 @@ class DeferredGraph:
             for pid, t in params.items():
                 if sources[pid] is None:
                     sources[pid] = t
+            seed = None
+            if self._random:
+                pid = _seed_parameter(params, sources, seed_at_trace)
+                if pid is None:
+                    return "it draws random numbers, and the seed they draw from was not found among its parameters"
+                seed = (pid, str(params[pid].device))
         log.debug(
             "lowered %s graph: %d parameters (%d hoisted constants), %d outputs",
             self.kind,
@@ -219,7 +256,7 @@ class DeferredGraph:
             sum(not isinstance(s, int) for s in sources),
             len(out_tensors),
         )
-        return _LoweredGraph(computation, tuple(sources), tuple(outputs))
+        return _LoweredGraph(computation, tuple(sources), tuple(outputs), seed)
 
     def _probe(self, args: Sequence[Any]) -> Optional[str]:
         """Traces the graph once on the real inputs; returns why it cannot be lowered, if so.
@@ -283,12 +320,19 @@ class DeferredBackward(DeferredGraph):
         if self.sync_at_end:
             grad_sync.sync_at_end_of_backward(pending)
 
+def _draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+        for node in gm.graph.nodes
+    )
+
+
 def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if torch.Tag.nondeterministic_seeded in node.target.tags:
-            return f"it draws random numbers ({node.target}), which a cached computation would freeze"
         if node.target._schema.is_mutable:
             return f"it updates a tensor in place ({node.target})"
         if node.target is torch.ops.aten._local_scalar_dense.default:
