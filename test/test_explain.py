@@ -1,5 +1,6 @@
 """The execution report and the autograd graph dump on known cases."""
 
+import io
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 
-from torch_xla_bridge.explain import Cause, autograd_graph, explain
+from torch_xla_bridge.explain import Cause, autograd_graph, explain, format_text, print_report, run_script
 from torch_xla_bridge.explain.__main__ import parse_args
 from xla_helpers import FUSED, UPSTREAM, TinyTransformer, device, mlp, mlp_task, train
 
@@ -67,6 +68,21 @@ def test_fused_loop_has_nothing_avoidable_and_steps_stop_on_request():
     backward = [e for e in all_executions(report) if e.cause is B]
     assert len(backward) == report.metrics["OpenxlaFusedGradSync"] == 3
     assert report.verdict() == "3 executions per step (steps 2-3); none avoidable (forward, backward, optimizer)"
+
+
+def test_original_report_under_the_fused_backend_shows_nothing_avoidable():
+    explainer, status = run_script(str(EXAMPLE), ["--backend", FUSED, "--iters", "4"])
+    report = explainer.report
+    assert status == 0 and len(report.steps) == 4
+    assert all(causes(step) == [F_, B, O] for step in report.steps)
+    assert all(step.pending_grads == [] for step in report.steps)  # data.grad too: its read executes nothing
+    assert report.total == report.metrics["ExecuteTime"] == 12
+    text = format_text(report)
+    assert text.count("deferred backward + .grad accumulation:") == 4
+    assert text.rstrip().endswith("verdict: 3 executions per step (steps 2-4); none avoidable (forward, backward, optimizer)")
+    rich_out = io.StringIO()
+    print_report(report, file=rich_out)
+    assert "step 4: 3 executions" in rich_out.getvalue() and "none avoidable" in rich_out.getvalue()
 
 
 def test_mark_step_after_an_eager_optimizer_ends_the_step():

@@ -258,8 +258,8 @@ class Explainer:
         if any(os.path.realpath(f) == _GRAD_SYNC_FILE for f, _ in files):
             return (
                 Cause.BACKWARD,
-                f"deferred backward + .grad accumulation, {len(tensors)} tensors in one sync "
-                "at the end of the backward pass (openxla_fused_grad)",
+                f"deferred backward + .grad accumulation: {len(tensors)} tensors, one sync at "
+                "the end of the backward pass (openxla_fused_grad)",
                 None,
             )
         pending = [t for t, p in zip(tensors, _needs_materialization(tensors)) if p]
@@ -269,15 +269,15 @@ class Explainer:
         if from_bridge and grads:
             return (
                 Cause.GRAD_ACCUMULATION,
-                f"pending .grad of {_some(grads)} (AccumulateGrad's lazy add) synced by the "
-                f"dynamo bridge before the compiled {target}",
+                f"pending .grad of {_some(grads)} (AccumulateGrad's add) synced by the dynamo "
+                f"bridge before the compiled {target}",
                 ir,
             )
         if from_bridge and in_backward:
             return (
                 Cause.INPUT_SYNC,
-                "pending input of the compiled backward (the loss seed or an incoming "
-                "gradient) synced by the dynamo bridge",
+                "the compiled backward's pending input (loss seed or incoming gradient) "
+                "synced by the dynamo bridge",
                 ir,
             )
         if from_bridge:
@@ -370,7 +370,7 @@ class Explainer:
             frame = first_user_frame(rec.frames) if rec is not None else ""
             if materialized and k == 1:
                 cause = Cause.GRAD_READ
-                detail = f"a read of pending .grad of {_some(materialized)} executed the accumulation"
+                detail = f"read of the pending .grad of {_some(materialized)} ran its accumulation"
             elif rec is not None and "access tensor value" in rec.cause:
                 cause, detail = Cause.VALUE_READ, "tensor value read on the host (.item(), .cpu(), printing, ...)"
             else:

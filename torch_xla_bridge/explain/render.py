@@ -103,4 +103,4 @@ def print_report(report: ExecutionReport, graph: Optional[GradGraph] = None, fil
     if graph is not None:
         console.print(graph.text(), markup=False)
     for line in _footer(report):
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)
