@@ -60,25 +60,34 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _enable_execution_analysis() -> None:
-    """torch_xla reads these once, on first use: they must be set before it is imported."""
+def _enable_execution_analysis() -> Optional[str]:
+    """torch_xla reads these once, on first use: they must be set before it is imported.
+
+    Returns the temporary file made for the analysis, if one was.
+    """
     if "torch_xla" in sys.modules:
-        return
+        return None
     os.environ.setdefault("PT_XLA_DEBUG_LEVEL", "2")
-    if not os.environ.get("PT_XLA_DEBUG_FILE"):
-        fd, path = tempfile.mkstemp(prefix="pt_xla_debug_", suffix=".txt")
-        os.close(fd)
-        os.environ["PT_XLA_DEBUG_FILE"] = path
+    if os.environ.get("PT_XLA_DEBUG_FILE"):
+        return None
+    fd, path = tempfile.mkstemp(prefix="pt_xla_debug_", suffix=".txt")
+    os.close(fd)
+    os.environ["PT_XLA_DEBUG_FILE"] = path
+    return path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    _enable_execution_analysis()
+    temporary = _enable_execution_analysis()
     from .render import print_report
     from .script import run_script
 
-    explainer, status = run_script(args.script, args.script_args, steps=args.steps, graph=bool(args.graph))
+    try:
+        explainer, status = run_script(args.script, args.script_args, steps=args.steps, graph=bool(args.graph))
+    finally:
+        if temporary is not None:
+            os.remove(temporary)
     sys.stdout.flush()
     print(f"\n== torch_xla_bridge.explain: {args.script} ==")
     print_report(explainer.report, graph=explainer.graph)

@@ -173,7 +173,13 @@ class Explainer:
                 self._step.complete = self._state != "open" and exc_type is None
                 self.report.steps.append(self._step)
             self.report.metrics = {"ExecuteTime": self._count - self._start_count, **self._counted}
-            self.report.analysis = self._analysis is not None
+            self.report.analysis = any(e.torch_xla_cause is not None for s in self.report.steps for e in s.executions)
+            if self._analysis is not None and self.report.total and not self.report.analysis:
+                log.warning(
+                    "torch_xla's execution analysis wrote nothing to %s: PT_XLA_DEBUG_LEVEL and "
+                    "PT_XLA_DEBUG_FILE must be set before torch_xla first runs",
+                    self._analysis.path,
+                )
         finally:
             for name in ENTRY_POINTS:
                 setattr(torch_xla._XLAC, name, self._originals[name])
