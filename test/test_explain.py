@@ -94,6 +94,25 @@ def test_mark_step_after_an_eager_optimizer_ends_the_step():
     assert report.total == report.metrics["ExecuteTime"]
 
 
+def test_lazy_loop_read_before_backward_opens_the_next_step():
+    model = mlp().to(device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    with explain(steps=3) as ex:
+        for _ in range(5):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.item()  # executes the forward: the first execution of its step
+            loss.backward()
+            opt.step()
+            xm.mark_step()
+    report = ex.report
+    assert [causes(s) for s in report.steps[:3]] == [[Cause.OTHER, Cause.MARK_STEP]] * 3
+    # Stopped when step 4 began: its first execution is listed, as an incomplete step.
+    assert [causes(s) for s in report.steps[3:]] == [[Cause.OTHER]] and not report.steps[3].complete
+    assert report.total == report.metrics["ExecuteTime"] == 7
+
+
 def test_value_read_outside_entry_points_is_listed():
     x = torch.randn(4, 4).to(device())
     with explain() as ex:

@@ -39,13 +39,15 @@ Where a step ends
 A step is complete once ``Optimizer.step`` returned (a global optimizer step
 post-hook; it also fires for an optimizer step compiled with
 ``torch.compile``) or, in a run that has not used a ``torch.optim`` optimizer, once
-``xm.mark_step()``/``torch_xla.sync()`` returned. A complete step still takes
-the executions that follow it (a trailing ``mark_step``, ``loss.item()``) until
-the next step opens: at the next forward, input sync or backward pass, or at a
-second ``mark_step``. Executions before the first step (none with executions
-are dropped) are part of step 1. :meth:`Explainer.step` marks boundaries
-by hand instead. ``steps=N`` stops the explained code (by raising
-:class:`StopExplain`, a ``BaseException``) when step N+1 would open.
+``xm.mark_step()``/``torch_xla.sync()`` returned. A step completed by its
+optimizer still takes the executions that follow it (a trailing ``mark_step``, a
+``loss.item()``) until the next step opens: at the next forward, input sync or
+backward pass. A step that a ``mark_step`` ended takes nothing more: any later
+execution opens the next step. Work before the first backward pass or optimizer
+step (moving data, a first sync) is part of step 1. :meth:`Explainer.step`
+marks boundaries by hand instead. ``steps=N`` stops the explained code (by
+raising :class:`StopExplain`, a ``BaseException``) when step N+1 opens; what
+step N+1 executed by then is kept as an incomplete step.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ class Explainer:
         global _active
         try:
             if self._depth == 0:
-                self._flush_gap()
                 self._poll_optimizer()
+                self._flush_gap(may_open=False)
             if self._step.executions or self._step.backward_passes or self._step.optimizer_steps:
                 self._step.complete = self._state != "open" and exc_type is None
                 self.report.steps.append(self._step)
@@ -191,8 +193,10 @@ class Explainer:
     def step(self) -> None:
         """Ends the current step here; from now on only these calls end steps."""
         self._manual = True
+        self._poll_optimizer()
         self._flush_gap()
         self._close_step()
+        self._stop_if_done()
 
     # --- wrapping ---------------------------------------------------------------
 
@@ -301,10 +305,16 @@ class Explainer:
 
     def _enter(self, opening: bool) -> None:
         """Before a wrapped call: list earlier unattributed executions, maybe start a step."""
-        self._flush_gap()
         self._poll_optimizer()
+        self._flush_gap()
         if opening and not self._manual and self._state != "open":
             self._close_step()
+        self._stop_if_done()
+
+    def _stop_if_done(self) -> None:
+        if self.max_steps is not None and len(self.report.steps) >= self.max_steps:
+            self.report.stopped_after = self.max_steps
+            raise StopExplain(f"stopped after {self.max_steps} steps")
 
     def _poll_optimizer(self) -> None:
         if len(self._optimizer_steps) != self._optimizer_seen:
@@ -319,9 +329,6 @@ class Explainer:
             return  # set-up (data, a first sync): part of the next step
         self.report.steps.append(step)
         self._step = Step(step.number + 1)
-        if self.max_steps is not None and len(self.report.steps) >= self.max_steps:
-            self.report.stopped_after = self.max_steps
-            raise StopExplain(f"stopped after {self.max_steps} steps")
 
     def _new_executions(self) -> tuple[int, list[xla_analysis.AnalysisRecord]]:
         xm.wait_device_ops()
@@ -367,9 +374,15 @@ class Explainer:
                 if e.cause is Cause.OTHER:
                     e.cause = Cause.GRAD_ACCUMULATION
 
-    def _flush_gap(self) -> None:
-        """Lists the executions no wrapped entry point made since the last look."""
+    def _flush_gap(self, may_open: bool = True) -> None:
+        """Lists the executions no wrapped entry point made since the last look.
+
+        After a step ended with a mark_step, they belong to the next step (in a
+        lazy loop a value read can be the first execution of a step).
+        """
         k, records = self._new_executions()
+        if k and may_open and self._state == "sync" and not self._manual:
+            self._close_step()
         materialized = self._refresh_pending() if k else []
         for j in range(k):
             rec = records[j] if records else None

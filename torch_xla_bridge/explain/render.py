@@ -29,7 +29,7 @@ def _cells(i: int, e) -> tuple[str, ...]:
 
 
 def _step_title(step: Step) -> str:
-    title = f"step {step.number}: {step.total} executions"
+    title = f"step {step.number}: {step.total} execution{'' if step.total == 1 else 's'}"
     if step.avoidable:
         title += f", {len(step.avoidable)} avoidable (*)"
     if not step.complete:
