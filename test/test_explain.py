@@ -129,11 +129,13 @@ def test_bad_arguments_are_named():
     with explain():
         with pytest.raises(RuntimeError, match="already active"):
             explain().__enter__()
-    args = parse_args(["--json", "r.json", "train.py", "--steps", "3", "--lr", "0.1", "--", "--steps", "9"])
-    assert (args.script, args.steps, args.json) == ("train.py", 3, "r.json")
+    script = str(EXAMPLE)
+    args = parse_args(["--json", "r.json", script, "--steps", "3", "--lr", "0.1", "--", "--steps", "9"])
+    assert (args.script, args.steps, args.json) == (script, 3, "r.json")
     assert args.script_args == ["--lr", "0.1", "--steps", "9"]
-    with pytest.raises(SystemExit):
-        parse_args(["--steps", "2"])
+    for argv in (["--steps", "2"], ["missing.py"], [script, "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
 
 
 def test_cli_explains_the_original_report(tmp_path):
@@ -158,6 +160,8 @@ def test_cli_explains_the_original_report(tmp_path):
     read_line = EXAMPLE.read_text().splitlines().index("        data_grad = data.grad.cpu()  # the read that the original report saw execute") + 1
     assert steady["executions"][3]["frame"].endswith(f"original_report.py:{read_line} in main")
     assert "verdict: 6 executions per step (steps 2-3); 3 avoidable" in " ".join(proc.stdout.split())
+    contributors = [leaf["contributors"] for leaf in report["autograd_graph"]["leaves"]]
+    assert contributors == [[{"node": "CompiledFunctionBackward", "edges": 1}]] * 7
     dot = out_dot.read_text()
     assert dot.count("AccumulateGrad") == 7 and "CompiledFunctionBackward" in dot
     assert (tmp_path / "graph.png").exists() == (shutil.which("dot") is not None)

@@ -14,6 +14,7 @@ so each execution gets torch_xla's graph hash, input/output counts and frame.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -56,6 +57,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ap.error("give the training script to run: python -m torch_xla_bridge.explain train.py [args...]")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be a positive number of steps, got {args.steps}")
+    if not os.path.isfile(rest[0]):
+        ap.error(f"no training script at {rest[0]!r}: give the path of a Python file to run")
     args.script, args.script_args = rest[0], rest[1:]
     return args
 
@@ -92,7 +95,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\n== torch_xla_bridge.explain: {args.script} ==")
     print_report(explainer.report, graph=explainer.graph)
     if args.json:
-        explainer.report.to_json(args.json)
+        data = explainer.report.to_dict()
+        if explainer.graph is not None:
+            data["autograd_graph"] = explainer.graph.to_dict()
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
         print(f"report written to {args.json}")
     if args.graph:
         if explainer.graph is None:

@@ -99,7 +99,7 @@ def print_report(report: ExecutionReport, graph: Optional[GradGraph] = None, fil
         console.print(table)
         pending = _pending_line(step)
         if pending:
-            console.print(f"[yellow]{pending}[/yellow]")
+            console.print(pending, style="yellow", markup=False, soft_wrap=True)
     if graph is not None:
         console.print(graph.text(), markup=False)
     for line in _footer(report):
