@@ -113,6 +113,18 @@ def test_lazy_loop_read_before_backward_opens_the_next_step():
     assert report.total == report.metrics["ExecuteTime"] == 7
 
 
+def test_manual_step_boundaries():
+    model = mlp().to(device())
+    compiled = torch.compile(model, backend=FUSED)
+    x = torch.randn(8, 16).to(device())
+    with explain(steps=2) as ex, torch.no_grad():
+        for _ in range(4):
+            compiled(x)
+            ex.step()
+    assert [causes(s) for s in ex.report.steps] == [[F_], [F_]]
+    assert ex.report.stopped_after == 2
+
+
 def test_value_read_outside_entry_points_is_listed():
     x = torch.randn(4, 4).to(device())
     with explain() as ex:

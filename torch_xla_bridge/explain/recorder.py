@@ -132,6 +132,7 @@ class Explainer:
         self._optimizer_steps: list[int] = []  # appended to by the post-hook; see _poll_optimizer
         self._optimizer_seen = 0
         self._count = 0
+        self._start_count = 0
         self._depth = 0
         self._counters: dict[str, int] = {}  # last seen value of each of COUNTERS
         self._counted: dict[str, int] = {}  # their increments while active
@@ -147,7 +148,6 @@ class Explainer:
         global _active
         if _active is not None:
             raise RuntimeError("torch_xla_bridge.explain: an explainer is already active in this process")
-        _active = self
         xm.wait_device_ops()
         self._count = _execution_count()
         self._start_count = self._count
@@ -163,6 +163,7 @@ class Explainer:
         steps = self._optimizer_steps
         # Kept trivially traceable: under a compiled optimizer step dynamo replays the append.
         self._hook = optim_hooks.register_optimizer_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+        _active = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -195,7 +196,7 @@ class Explainer:
         self._manual = True
         self._poll_optimizer()
         self._flush_gap()
-        self._close_step()
+        self._close_step(force=True)
         self._stop_if_done()
 
     # --- wrapping ---------------------------------------------------------------
@@ -323,9 +324,9 @@ class Explainer:
             if not self._manual and self._state == "open":
                 self._state = "optimizer"
 
-    def _close_step(self) -> None:
+    def _close_step(self, force: bool = False) -> None:
         step, self._state = self._step, "open"
-        if not (step.backward_passes or step.optimizer_steps):
+        if not (step.backward_passes or step.optimizer_steps or (force and step.executions)):
             return  # set-up (data, a first sync): part of the next step
         self.report.steps.append(step)
         self._step = Step(step.number + 1)
