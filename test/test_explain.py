@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+import torch_xla_bridge
 from torch_xla_bridge.explain import Cause, autograd_graph, explain, format_text, print_report, run_script
 from torch_xla_bridge.explain.__main__ import parse_args
 from xla_helpers import FUSED, UPSTREAM, TinyTransformer, device, mlp, mlp_task, train
@@ -83,6 +84,18 @@ def test_original_report_under_the_fused_backend_shows_nothing_avoidable():
     rich_out = io.StringIO()
     print_report(report, file=rich_out)
     assert "step 4: 3 executions" in rich_out.getvalue() and "none avoidable" in rich_out.getvalue()
+
+
+def test_fused_step_backend_is_one_cut_per_step():
+    if not (Path(torch_xla_bridge.__file__).parent / "fused_step.py").exists():
+        pytest.skip("no openxla_fused_step backend in this tree")
+    with explain() as ex:
+        run = train(mlp_task(), "openxla_fused_step", steps=3, set_to_none=False)
+    report = ex.report
+    assert [s.total for s in report.steps] == [r.total for r in run.steps]
+    assert causes(report.steps[-1]) == [Cause.MARK_STEP]
+    assert "openxla_fused_step cuts the step" in report.steps[-1].executions[0].detail
+    assert report.total == report.metrics["ExecuteTime"]
 
 
 def test_mark_step_after_an_eager_optimizer_ends_the_step():

@@ -81,6 +81,8 @@ _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
 _OPTIM_DIR = os.sep + os.path.join("torch", "optim") + os.sep
 _BRIDGE_FILE = os.path.join("torch_xla", "_dynamo", "dynamo_bridge.py")
 _GRAD_SYNC_FILE = os.path.realpath(grad_sync.__file__)
+# The openxla_fused_step backend's step cut and its unfused forward, by file and function.
+_FUSED_STEP_FILE = os.path.join(os.path.dirname(_GRAD_SYNC_FILE), "fused_step.py")
 
 _active: Optional["Explainer"] = None
 
@@ -261,6 +263,13 @@ class Explainer:
                 return Cause.OPTIMIZER, "compiled optimizer step (dynamo bridge)", None
             return Cause.FORWARD, "compiled graph (dynamo bridge)", None
         if entry == "_xla_step_marker":
+            if any(fn == "end_step" and os.path.realpath(f) == _FUSED_STEP_FILE for f, fn in files):
+                return (
+                    Cause.MARK_STEP,
+                    "openxla_fused_step cuts the step: everything pending (forward, backward, "
+                    ".grad accumulation, optimizer) as one execution",
+                    None,
+                )
             if any(f.endswith(_BRIDGE_FILE) for f, _ in files):
                 return Cause.OTHER, "torch_xla.sync() by the dynamo bridge while it compiles a graph", None
             return Cause.MARK_STEP, "xm.mark_step() / torch_xla.sync()", None
@@ -271,6 +280,12 @@ class Explainer:
                 Cause.BACKWARD,
                 f"deferred backward + .grad accumulation: {len(tensors)} tensors, one sync at "
                 "the end of the backward pass (openxla_fused_grad)",
+                None,
+            )
+        if any(fn == "_deferred" and os.path.realpath(f) == _FUSED_STEP_FILE for f, fn in files):
+            return (
+                Cause.FORWARD,
+                "forward executed on its own (openxla_fused_step unfused this graph after a value read)",
                 None,
             )
         pending = [t for t, p in zip(tensors, _needs_materialization(tensors)) if p]
