@@ -187,8 +187,10 @@ def accumulate_grad_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str]:
     """A name per tensor: from ``names``, else from the live module that owns most of them.
 
-    The fallback scans the garbage collector's objects for ``nn.Module``s once
-    per call; it is for reports, not for a training step.
+    The fallback scans the garbage collector's objects for ``nn.Module``s, once
+    per call and only if a tensor to name is an ``nn.Parameter`` (inputs that
+    require grad are named ``tensor<i>`` without it); it takes a fraction of a
+    second: for reports, not for every training step.
     """
     found = WeakIdKeyDictionary()
     if isinstance(names, nn.Module):
@@ -196,7 +198,7 @@ def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str
     for name, t in (names or {}).items():
         found[t] = name
     missing = [t for t in tensors if t not in found]
-    if missing:
+    if any(isinstance(t, nn.Parameter) for t in missing):
         best, best_hits = None, 0
         wanted = {id(t) for t in missing}
         with warnings.catch_warnings():  # isinstance on deprecated module-level aliases warns
