@@ -41,7 +41,8 @@ def _pending_line(step: Step) -> Optional[str]:
     if not step.pending_grads:
         return None
     names = ", ".join(step.pending_grads[:6]) + (", ..." if len(step.pending_grads) > 6 else "")
-    return f"pending IR left on .grad after backward: {len(step.pending_grads)} leaves ({names})"
+    n = len(step.pending_grads)
+    return f"pending IR left on .grad after backward: {n} lea{'f' if n == 1 else 'ves'} ({names})"
 
 
 def _footer(report: ExecutionReport) -> list[str]:
