@@ -156,7 +156,7 @@ class DeferredBackward:
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
-            self._upstream = openxla_eval_boxed(copy.deepcopy(self.gm), self.example_inputs)
+            self._upstream = _compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
     def _lower(self, args: Sequence[Any]) -> Union[_LoweredBackward, str]:
@@ -230,6 +230,11 @@ class DeferredBackward:
         if non_xla:
             return f"it produces a tensor on {non_xla[0].device}"
         return None
+
+
+def _compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+    """Upstream ``openxla``'s unfused compiled function for ``gm``; called with one list (boxed)."""
+    return openxla_eval_boxed(gm, example_inputs)
 
 
 def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
