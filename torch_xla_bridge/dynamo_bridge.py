@@ -258,7 +258,7 @@ def _unfusable_mode_reason() -> Optional[str]:
     return None
 
 
-def _in_aot_double_backward(max_depth: int = 8) -> bool:
+def _in_aot_double_backward(max_depth: int = 12) -> bool:
     """True when AOTAutograd runs this backward for ``create_graph=True``.
 
     AOTAutograd then calls the backward graph from the forward of its
