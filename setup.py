@@ -12,6 +12,8 @@ setup(
         # torchvision and transformers: the drop-in examples the tests run.
         "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],
+        # The documentation site (test/test_docs.py builds it with --strict).
+        "docs": ["mkdocs==1.6.1"],
     },
     entry_points={
         "torch_dynamo_backends": [
