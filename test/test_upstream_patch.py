@@ -115,7 +115,7 @@ def test_upstream_style_tests_pass_on_the_patched_copy(patched_root):
         for fn in cls.body
         if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")
     }
-    assert len(expected) == 7
+    assert len(expected) == 8
     proc, out = _run_patched(patched_root, test_file, "-v", env=UPSTREAM_TEST_ENV)
     assert proc.returncode == 0, out[-5000:]
     passed = set(re.findall(r"^(test_\w+) \(__main__\.(\w+)\.test_\w+\) \.\.\. .*?ok$", out, re.M | re.S))

@@ -276,6 +276,30 @@ class DynamoFusedGradBehaviourTest(_FusedGradTestCase):
       self.assertTrue(
           torch.allclose(p.grad.cpu(), q.grad, rtol=1e-05, atol=1e-06))
 
+  def test_backward_compiler_for_custom_backends(self):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+    from torch_xla._dynamo import deferred_backward
+
+    backend = aot_autograd(
+        fw_compiler=openxla_eval_boxed,
+        bw_compiler=deferred_backward.compile_deferred_backward)
+    device = torch_xla.device()
+    cpu_model = _mlp()
+    model = copy.deepcopy(cpu_model).to(device)
+    fwd = torch.compile(model, backend=backend)
+    x = torch.randn(8, 16)
+    syncs = _counter('DynamoFusedGradSync')
+    for _ in range(2):
+      fwd(x.to(device)).sum().backward()
+    self.assertEqual(_counter('DynamoFusedGradSync') - syncs, 2)
+    self.assertFalse(any(_pending(p.grad for p in model.parameters())))
+    for _ in range(2):
+      cpu_model(x).sum().backward()
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+      self.assertTrue(
+          torch.allclose(p.grad.cpu(), q.grad, rtol=1e-05, atol=1e-05))
+
   def test_opt_out_restores_unfused_path(self):
     config.fused_backward = False
     device = torch_xla.device()
