@@ -20,12 +20,13 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
-import torch_xla.core.xla_model as xm  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
 from torch_xla._dynamo import config  # noqa: E402
+
+# The suite's counting helpers and model (they need only torch and torch_xla).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
+from xla_helpers import counter, executions, mlp  # noqa: E402
 
 STEPS, WARMUP = 6, 2
 LOOPS = {
@@ -36,23 +37,13 @@ LOOPS = {
 }
 
 
-def executions() -> int:
-    xm.wait_device_ops()
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
-
-
-def counter(name: str) -> int:
-    return met.counter_value(name) or 0
-
-
 def run(set_to_none: bool, compiled_optimizer: bool, fused: bool) -> dict:
     """Trains for STEPS steps; returns steady-state executions per step and the sync-input count."""
     config.fused_backward = fused
     torch._dynamo.reset()
     dev = torch_xla.device()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+    model = mlp(depth=3, width=32).to(dev)  # 16-32-32-4
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     fwd = torch.compile(lambda x, y: F.mse_loss(model(x), y), backend="openxla")
     step = torch.compile(opt.step, backend="openxla") if compiled_optimizer else opt.step
