@@ -18,6 +18,7 @@ setup(
     entry_points={
         "torch_dynamo_backends": [
             "openxla_fused_grad = torch_xla_bridge.backend:openxla_fused_grad",
+            "openxla_fused_step = torch_xla_bridge.backend:openxla_fused_step",
         ],
     },
 )

@@ -34,10 +34,10 @@ from .backend import BACKEND_NAME
 
 log = logging.getLogger(__name__)
 
-_USER_COMPUTATION_NAME = "xla::openxla_fused_grad_backward"
+_USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
 
 
-def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
     """Raises if a graph input that is not a CPU scalar lives off the XLA device.
 
     0-dim CPU tensors are allowed: they act as scalars (optimizer step counts).
@@ -50,7 +50,7 @@ def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
             continue
         name = names[i] if i < len(names) else f"input {i}"
         raise RuntimeError(
-            f"backend={BACKEND_NAME!r}: graph input {name!r} (shape {tuple(t.shape)}, "
+            f"backend={backend!r}: graph input {name!r} (shape {tuple(t.shape)}, "
             f"dtype {t.dtype}) is on device {t.device}, not on an XLA device. Move the "
             f"model and its inputs to XLA first: `device = torch_xla.device()`, "
             f"`model.to(device)`, `x = x.to(device)`."
@@ -63,8 +63,8 @@ def compile_deferred_backward(gm: torch.fx.GraphModule, example_inputs: Sequence
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoweredBackward:
-    """One backward graph lowered for one input signature.
+class _LoweredGraph:
+    """One graph lowered for one input signature.
 
     ``sources[k]`` feeds HLO parameter ``k``: an index into the runtime
     arguments, or a constant tensor the lowering hoisted into a parameter.
@@ -107,22 +107,30 @@ def _is_static(example_inputs: Sequence[Any]) -> bool:
     return True
 
 
-class DeferredBackward:
-    """Runs a backward graph as one pending XLA node per call.
+class DeferredGraph:
+    """Runs an AOTAutograd graph as one pending XLA node per call.
 
     Invariants: a given input signature is lowered at most once (the cache key
     is shapes, dtypes and non-tensor values; a graph whose example inputs are
-    all static has one signature, so its key is empty); every call inside an
-    autograd pass hands its outputs to :func:`grad_sync.sync_at_end_of_backward`.
+    all static has one signature, so its key is empty); a call either embeds
+    the graph and executes nothing, or runs it through upstream ``openxla``
+    after one warning per graph saying why. Subclasses say what happens to a
+    call's pending outputs (:meth:`_deferred`) and when the upstream path is
+    forced (:meth:`_mode_reason`).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    kind = "forward"
+    # Finishes the fallback warning: what the user loses when this graph runs unfused.
+    unfused_effect = "it runs as an XLA execution of its own"
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
         self.gm = gm
         self.example_inputs = example_inputs
+        self.backend = backend
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         # Per signature: the lowered graph, or why it cannot be lowered (so the
         # probe runs once per signature, not once per call).
-        self._lowered: dict[_Signature, Union[_LoweredBackward, str]] = {}
+        self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
         self._static_reason = _unfusable_graph_reason(gm)
         self._warned = False
@@ -131,7 +139,7 @@ class DeferredBackward:
         self._boxed_call = True
 
     def __call__(self, args: list) -> Any:
-        reason = self._static_reason or _unfusable_mode_reason()
+        reason = self._static_reason or self._mode_reason()
         if reason is None:
             key = self._signature(args)
             lowered = self._lowered.get(key)
@@ -142,16 +150,25 @@ class DeferredBackward:
             else:
                 outs, pending = lowered(args)
                 args.clear()
-                grad_sync.sync_at_end_of_backward(pending)
+                self._deferred(pending)
                 return outs
         return self._run_upstream(args, reason)
+
+    def _mode_reason(self) -> Optional[str]:
+        """Why this call must run through upstream, if the calling context forbids deferring."""
+        if is_eager_mode():
+            return "torch_xla eager mode executes every op on its own"
+        return None
+
+    def _deferred(self, pending: list[torch.Tensor]) -> None:
+        """Called with a call's pending results, after embedding it."""
 
     def _run_upstream(self, args: list, reason: str) -> Any:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"{BACKEND_NAME}: this backward graph runs unfused through upstream openxla "
-                f"(gradients correct, but accumulated into .grad outside its execution): {reason}"
+                f"{self.backend}: this {self.kind} graph runs unfused through upstream openxla "
+                f"({self.unfused_effect}): {reason}"
             )
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
@@ -159,7 +176,8 @@ class DeferredBackward:
             self._upstream = _compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
-    def _lower(self, args: Sequence[Any]) -> Union[_LoweredBackward, str]:
+
+    def _lower(self, args: Sequence[Any]) -> Union[_LoweredGraph, str]:
         """Lowers the graph for the signature of ``args``, or returns why it cannot be."""
         reason = self._probe(args)
         if reason is not None:
@@ -179,7 +197,7 @@ class DeferredBackward:
                     out_tensors.append(o)
                 else:
                     outputs.append((False, o))
-            ctx = torch_xla._XLAC.lowering.LoweringContext("FusedGradBackward")
+            ctx = torch_xla._XLAC.lowering.LoweringContext("FusedGradGraph")
             ctx.build(out_tensors)
             computation = xb.computation_from_module_proto(_USER_COMPUTATION_NAME, ctx.hlo())
             # Every device-data leaf of the traced graph is an HLO parameter:
@@ -195,12 +213,13 @@ class DeferredBackward:
                 if sources[pid] is None:
                     sources[pid] = t
         log.debug(
-            "lowered backward graph: %d parameters (%d hoisted constants), %d outputs",
+            "lowered %s graph: %d parameters (%d hoisted constants), %d outputs",
+            self.kind,
             len(sources),
             sum(not isinstance(s, int) for s in sources),
             len(out_tensors),
         )
-        return _LoweredBackward(computation, tuple(sources), tuple(outputs))
+        return _LoweredGraph(computation, tuple(sources), tuple(outputs))
 
     def _probe(self, args: Sequence[Any]) -> Optional[str]:
         """Traces the graph once on the real inputs; returns why it cannot be lowered, if so.
@@ -237,6 +256,39 @@ def _compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
     return openxla_eval_boxed(gm, example_inputs)
 
 
+class DeferredBackward(DeferredGraph):
+    """A backward graph whose outputs, with the ``.grad`` accumulation, are synced once per pass.
+
+    Invariant (``sync_at_end=True``): every call inside an autograd pass hands
+    its outputs to :func:`grad_sync.sync_at_end_of_backward`. With
+    ``sync_at_end=False`` nothing is synced: the step's boundary does it.
+    """
+
+    kind = "backward"
+    unfused_effect = "gradients correct, but accumulated into .grad outside its execution"
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        backend: str = BACKEND_NAME,
+        sync_at_end: bool = True,
+    ) -> None:
+        super().__init__(gm, example_inputs, backend)
+        self.sync_at_end = sync_at_end
+
+    def _mode_reason(self) -> Optional[str]:
+        if torch.is_grad_enabled() or _in_aot_double_backward():
+            return "the backward pass builds a graph (create_graph=True)"
+        if is_eager_mode():
+            return "torch_xla eager mode executes every accumulation on its own"
+        return None
+
+    def _deferred(self, pending: list[torch.Tensor]) -> None:
+        if self.sync_at_end:
+            grad_sync.sync_at_end_of_backward(pending)
+
+
 def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -247,14 +299,6 @@ def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
             return f"it updates a tensor in place ({node.target})"
         if node.target is torch.ops.aten._local_scalar_dense.default:
             return f"it reads a tensor value on the host ({node.target})"
-    return None
-
-
-def _unfusable_mode_reason() -> Optional[str]:
-    if torch.is_grad_enabled() or _in_aot_double_backward():
-        return "the backward pass builds a graph (create_graph=True)"
-    if is_eager_mode():
-        return "torch_xla eager mode executes every accumulation on its own"
     return None
 
 

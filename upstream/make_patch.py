@@ -111,7 +111,7 @@ EDITS: dict[str, tuple[str, Edits]] = {
             ("from torch._dynamo.backends.torchxla import openxla_eval_boxed\n", ""),
             ("from .backend import BACKEND_NAME\n", ""),
             (
-                '_USER_COMPUTATION_NAME = "xla::openxla_fused_grad_backward"',
+                '_USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"',
                 'BACKEND_NAME = "openxla"\n_USER_COMPUTATION_NAME = "xla::dynamo_fused_backward"',
             ),
             ("runs unfused through upstream openxla ", "runs unfused "),
