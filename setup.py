@@ -14,6 +14,8 @@ setup(
         # python -m torch_xla_bridge.explain prints rich tables (plain text without it).
         "explain": ["rich==15.0.0"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],
+        # The documentation site (test/test_docs.py builds it with --strict).
+        "docs": ["mkdocs==1.6.1"],
     },
     entry_points={
         "torch_dynamo_backends": [

@@ -202,7 +202,7 @@ class DeferredGraph:
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
-            self._upstream = openxla_eval_boxed(copy.deepcopy(self.gm), self.example_inputs)
+            self._upstream = _compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
 
@@ -288,6 +288,11 @@ class DeferredGraph:
         return None
 
 
+def _compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+    """Upstream ``openxla``'s unfused compiled function for ``gm``; called with one list (boxed)."""
+    return openxla_eval_boxed(gm, example_inputs)
+
+
 class DeferredBackward(DeferredGraph):
     """A backward graph whose outputs, with the ``.grad`` accumulation, are synced once per pass.
 
@@ -320,6 +325,7 @@ class DeferredBackward(DeferredGraph):
         if self.sync_at_end:
             grad_sync.sync_at_end_of_backward(pending)
 
+
 def _draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
     return any(
         node.op == "call_function"
@@ -340,7 +346,7 @@ def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
     return None
 
 
-def _in_aot_double_backward(max_depth: int = 8) -> bool:
+def _in_aot_double_backward(max_depth: int = 12) -> bool:
     """True when AOTAutograd runs this backward for ``create_graph=True``.
 
     AOTAutograd then calls the backward graph from the forward of its
