@@ -1,11 +1,14 @@
-"""Compiling and running AOTAutograd graphs on XLA, with the backward deferred.
+"""Compiling and running AOTAutograd graphs on XLA, deferred.
 
-Forward graphs go through torch_xla's own dynamo bridge (upstream ``openxla``).
-A backward graph is lowered once per input signature to one XLA computation
-and embedded per call as a single lazy IR node (``_xla_user_computation``), so
-its outputs are pending, not executed: the autograd engine's ``.grad``
-accumulation lands in the same pending graph, and the input it gets from
-outside (the loss seed, upstream gradients) fuses in as well.
+A deferred graph (:class:`DeferredGraph`) is lowered once per input signature
+to one XLA computation and embedded per call as a single lazy IR node
+(``_xla_user_computation``), so its outputs are pending, not executed. For
+``openxla_fused_grad`` that is the backward (:class:`DeferredBackward`): the
+autograd engine's ``.grad`` accumulation lands in the same pending graph, and
+the input it gets from outside (the loss seed, upstream gradients) fuses in as
+well; its forward graphs go through torch_xla's own dynamo bridge (upstream
+``openxla``). ``openxla_fused_step`` defers every graph (see
+:mod:`torch_xla_bridge.fused_step`).
 
 Where that is impossible (double backward, CPU-fallback ops, in-place input
 updates, torch_xla eager mode) a graph runs through the upstream path instead,
@@ -204,7 +207,6 @@ class DeferredGraph:
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
             self._upstream = _compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
-
 
     def _lower(self, args: Sequence[Any]) -> Union[_LoweredGraph, str]:
         """Lowers the graph for the signature of ``args``, or returns why it cannot be."""

@@ -11,15 +11,16 @@ The step is cut:
 
 - at ``torch_xla.sync()`` / ``xm.mark_step()``, as with any lazy tensor;
 - after a compiled graph that needs no backward (a compiled ``optimizer.step``,
-  an evaluation forward): the graph joins the step, then the step is synced;
+  an evaluation forward): the graph joins the step, then the step is synced
+  (after each such graph, where dynamo splits an optimizer step into several);
 - before a forward whose parameters hold pending updates (an eager optimizer
   and no ``torch_xla.sync()``): the previous step is synced first, so one step
   never grows into the next;
 - at a read of a value (``.item()``, ``.cpu()``, ``print``), which executes
-  what that value needs. A read of a forward output before ``backward()``
+  what that value needs. A read between a forward and the step's cut
   computes the forward twice (once for the read, once in the step); a graph
-  where that happens is switched to ``openxla_fused_grad`` behaviour (its
-  forward executes on its own), with one warning.
+  where an execution is seen there is switched to ``openxla_fused_grad``
+  behaviour (its forward executes on its own), with one warning.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def end_step() -> None:
 
 
 def _launches() -> int:
-    """Executions of pending IR launched so far in this process (a monotonic count, save below).
+    """Executions of pending IR launched so far in this process.
 
     Every sync of a non-empty graph compiles it or finds it compiled
     (``UncachedCompile`` / ``CachedCompile``) on the calling thread, so unlike
@@ -67,7 +68,7 @@ class _Pair:
     """State shared by the forward and backward graphs of one AOTAutograd compilation.
 
     ``launches_at_forward`` / ``launches_at_backward``: :func:`_launches` right
-    after the latest deferred forward / the first backward of the step. An
+    after the latest deferred forward / the step's first backward. An
     execution of pending IR between a forward and its backward, or between the
     backward and the step's cut, most likely read the forward's outputs, and
     then the step computes the forward a second time.
