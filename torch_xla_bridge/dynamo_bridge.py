@@ -26,10 +26,9 @@ import torch_xla
 import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from torch._dynamo.backends.torchxla import openxla_eval_boxed
 from torch_xla.experimental.eager import eager_mode_context, is_eager_mode
 
-from . import grad_sync
+from . import grad_sync, spmd
 from .backend import BACKEND_NAME
 
 log = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ class DeferredBackward:
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
-            self._upstream = openxla_eval_boxed(copy.deepcopy(self.gm), self.example_inputs)
+            self._upstream = spmd.compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
     def _lower(self, args: Sequence[Any]) -> Union[_LoweredBackward, str]:
@@ -275,5 +274,5 @@ def _fallback_counts() -> dict[str, int]:
 
 
 def _execution_count() -> int:
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
+    # Under SPMD every execution is a replicated one, recorded under its own metric.
+    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
