@@ -22,12 +22,10 @@ steps, past upstream's 5-call sharding check, and reports whether it survived.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import statistics
-import time
 from typing import Any, Callable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -41,22 +39,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
 from bench.models import mlp  # noqa: E402
-from bench.step_time import BACKENDS, measure  # noqa: E402
+from bench.step_time import BACKENDS, TIMING_HEADER, Trainer, measure, parse_args, timing_cells  # noqa: E402
 
 LAYOUTS = ("data parallel", "parameter-sharded")
 LOOPS = {"compiled optimizer": True, "eager optimizer + mark_step": False}
 BATCHES = 4  # distinct batches, cycled
-
-
-def executions() -> int:
-    """Programs executed so far; under SPMD each is a replicated execution."""
-    xm.wait_device_ops()
-    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
 
 
 def mesh() -> xs.Mesh:
@@ -71,10 +62,12 @@ def shard_largest_dim(model: torch.nn.Module, m: xs.Mesh) -> None:
         xs.mark_sharding(p, m, tuple(spec))
 
 
-class SpmdTrainer:
-    """One backend's training step on a sharded MLP; ``block`` as in bench/step_time.py."""
+class SpmdTrainer(Trainer):
+    """One backend's training step on a sharded MLP; timed by bench/step_time.py's ``block``."""
 
     def __init__(self, backend: str, depth: int, width: int, layout: str, compiled_optimizer: bool) -> None:
+        # Not Trainer.__init__: that builds the single-device workload; `block` needs
+        # only `step` and `execs`.
         m = mesh()
         workload = mlp(depth, width)
         torch.manual_seed(0)
@@ -100,18 +93,6 @@ class SpmdTrainer:
 
         self.step: Callable[[], None] = step
         self.execs: list[int] = []
-
-    def block(self, steps: int, wait_each_step: bool) -> float:
-        xm.wait_device_ops()
-        e0 = executions()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-            if wait_each_step:
-                xm.wait_device_ops()
-        xm.wait_device_ops()
-        self.execs.append((executions() - e0) // steps)
-        return (time.perf_counter() - t0) / steps
 
 
 def timings(depth: int, width: int, blocks: int, block: int, warmup: int) -> list[dict]:
@@ -157,26 +138,15 @@ def layout_change(backend: str, steps_before: int = 7, steps_after: int = 3) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--blocks", type=int, default=12, help="timed blocks per backend and row")
-    ap.add_argument("--block", type=int, default=5, help="steps per block")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--json", help="also write the results to this file")
-    args = ap.parse_args()
+    args = parse_args(__doc__.splitlines()[0], depth=8, blocks=12)
     rows = timings(args.depth, args.width, args.blocks, args.block, args.warmup)
     # Ours first: upstream's failure leaves the runtime unusable for this process.
     changes = {b: layout_change(b) for b in reversed(BACKENDS)}
     print(f"{args.depth}-layer MLP, width {args.width}, batch 64 over {xr.global_runtime_device_count()} "
           f"SPMD devices, SGD(momentum), {args.blocks} blocks of {args.block} steps per backend, alternated, pipelined")
-    print(f"{'layout':17} | {'loop':27} | {'openxla ms':>10} | {'fused ms':>9} | {'ratio':>6} | "
-          f"{'pair ratio':>10} | execs/step | max |param diff|")
+    print(f"{'layout':17} | {'loop':27} | {TIMING_HEADER} | max |param diff|")
     for r in rows:
-        m, e = r["median_ms"], r["executions_per_step"]
-        print(f"{r['layout']:17} | {r['loop']:27} | {m['openxla']:10.3f} | {m['openxla_fused_grad']:9.3f} | "
-              f"{r['ratio_of_medians']:6.3f} | {r['median_pair_ratio']:10.3f} | "
-              f"{e['openxla']} -> {e['openxla_fused_grad']:<5} | {r['max_param_diff']:.3g}")
+        print(f"{r['layout']:17} | {r['loop']:27} | {timing_cells(r):<{len(TIMING_HEADER)}} | {r['max_param_diff']:.3g}")
     for b, outcome in changes.items():
         print(f"batch layout change after 7 steps, {b}: {outcome}")
     if args.json:

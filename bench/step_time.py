@@ -90,25 +90,36 @@ def run(depth: int, width: int, blocks: int, block: int, warmup: int) -> list[di
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depth", type=int, default=32)
+TIMING_HEADER = f"{'openxla ms':>10} | {'fused ms':>9} | {'ratio':>6} | {'pair ratio':>10} | execs/step"
+
+
+def timing_cells(row: dict) -> str:
+    """A row's columns under ``TIMING_HEADER``."""
+    m, e = row["median_ms"], row["executions_per_step"]
+    return (f"{m['openxla']:10.3f} | {m['openxla_fused_grad']:9.3f} | {row['ratio_of_medians']:6.3f} | "
+            f"{row['median_pair_ratio']:10.3f} | {e['openxla']} -> {e['openxla_fused_grad']}")
+
+
+def parse_args(description: str, depth: int, blocks: int) -> argparse.Namespace:
+    """The command line of an alternated MLP timing (here and in bench/spmd.py)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--depth", type=int, default=depth)
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--blocks", type=int, default=24, help="timed blocks per backend and mode")
+    ap.add_argument("--blocks", type=int, default=blocks, help="timed blocks per backend and row")
     ap.add_argument("--block", type=int, default=5, help="steps per block")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--json", help="also write the rows to this file")
-    args = ap.parse_args()
+    ap.add_argument("--json", help="also write the results to this file")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], depth=32, blocks=24)
     rows = run(args.depth, args.width, args.blocks, args.block, args.warmup)
     print(f"{args.depth}-layer MLP, width {args.width}, batch 64, SGD(momentum), {args.blocks} blocks of "
           f"{args.block} steps per backend and mode, alternated, on {torch_xla.device()}")
-    print(f"{'loop':38} | {'mode':11} | {'openxla ms':>10} | {'fused ms':>9} | {'ratio':>6} | "
-          f"{'pair ratio':>10} | execs/step")
+    print(f"{'loop':38} | {'mode':11} | {TIMING_HEADER}")
     for r in rows:
-        m, e = r["median_ms"], r["executions_per_step"]
-        print(f"{r['loop']:38} | {r['mode']:11} | {m['openxla']:10.3f} | {m['openxla_fused_grad']:9.3f} | "
-              f"{r['ratio_of_medians']:6.3f} | {r['median_pair_ratio']:10.3f} | "
-              f"{e['openxla']} -> {e['openxla_fused_grad']}")
+        print(f"{r['loop']:38} | {r['mode']:11} | {timing_cells(r)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
