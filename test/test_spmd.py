@@ -24,26 +24,31 @@ ROOT = Path(__file__).resolve().parent.parent
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def spmd(tmp_path_factory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("spmd")
-    out, dump = tmp / "result.json", tmp / "hlo"
-    env = dict(
-        os.environ,
-        PJRT_DEVICE="CPU",
-        CPU_NUM_DEVICES="4",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
-    )
+def _run_spmd(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a fresh process with SPMD's 4 PJRT CPU devices and this checkout first on the path."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "test" / "spmd_checks.py"), str(out)],
-        env=env,
+        [sys.executable, str(script), *args],
+        env=dict(
+            os.environ,
+            PJRT_DEVICE="CPU",
+            CPU_NUM_DEVICES="4",
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **env,
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def spmd(tmp_path_factory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("spmd")
+    out, dump = tmp / "result.json", tmp / "hlo"
+    _run_spmd(ROOT / "test" / "spmd_checks.py", str(out), XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
     result = json.loads(out.read_text())
     result["hlo_dir"] = str(dump)
     return result
@@ -132,3 +137,14 @@ def test_input_sharding_change_at_any_step(spmd):
     assert compiles[1:7] == [compiles[0]] * 6  # layout A: compiled once
     assert compiles[7] > compiles[6]  # layout B: new programs
     assert compiles[8:] == [compiles[7]] * 4  # B again and A again: cache hits
+
+
+def test_example_script_matches_spmd_without_compile():
+    """examples/train_spmd.py with sharded parameters: same losses as plain SPMD LazyTensor."""
+    runs = {}
+    for backend in (FUSED, "eager"):
+        proc = _run_spmd(ROOT / "examples" / "train_spmd.py", "--backend", backend, "--layout", "params", "--steps", "4")
+        runs[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs[FUSED]["devices"] == 4
+    assert runs[FUSED]["losses"] == pytest.approx(runs["eager"]["losses"], abs=ATOL)
+    assert runs[FUSED]["grads_keep_sharding"]
