@@ -10,12 +10,15 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
     extras_require={
         # torchvision and transformers: the drop-in examples the tests run.
-        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6"],
+        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "rich==15.0.0"],
+        # python -m torch_xla_bridge.explain prints rich tables (plain text without it).
+        "explain": ["rich==15.0.0"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],
     },
     entry_points={
         "torch_dynamo_backends": [
             "openxla_fused_grad = torch_xla_bridge.backend:openxla_fused_grad",
+            "openxla_fused_step = torch_xla_bridge.backend:openxla_fused_step",
         ],
     },
 )

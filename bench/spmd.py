@@ -15,13 +15,14 @@ distinct batches in turn): the
 optimizer compiled with the same backend, or eager followed by ``xm.mark_step()``.
 Both backends train identical models side by side in one process, alternating
 (bench/step_time.py's timing), and report executions per step, median step
-times and their ratio (ours / upstream), and how far the two models' parameters
-drifted apart. Then each backend trains through a batch-layout change after 7
+times, their ratio (ours / upstream), the median of per-block ratios and the
+ratio of process CPU time, and how far the two models' parameters drifted apart. Then each backend trains through a batch-layout change after 7
 steps, past upstream's 5-call sharding check, and reports whether it survived.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -43,8 +44,9 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
 from bench.models import mlp  # noqa: E402
-from bench.step_time import BACKENDS, TIMING_HEADER, Trainer, measure, parse_args, timing_cells  # noqa: E402
+from bench.step_time import Trainer, measure  # noqa: E402
 
+BACKENDS = ("openxla", "openxla_fused_grad")
 LAYOUTS = ("data parallel", "parameter-sharded")
 LOOPS = {"compiled optimizer": True, "eager optimizer + mark_step": False}
 BATCHES = 4  # distinct batches, cycled
@@ -66,8 +68,8 @@ class SpmdTrainer(Trainer):
     """One backend's training step on a sharded MLP; timed by bench/step_time.py's ``block``."""
 
     def __init__(self, backend: str, depth: int, width: int, layout: str, compiled_optimizer: bool) -> None:
-        # Not Trainer.__init__: that builds the single-device workload; `block` needs
-        # only `step` and `execs`.
+        # Not Trainer.__init__: that builds a single-device workload of
+        # bench/worker.py; `block` needs only `step` and `execs`.
         m = mesh()
         workload = mlp(depth, width)
         torch.manual_seed(0)
@@ -138,15 +140,27 @@ def layout_change(backend: str, steps_before: int = 7, steps_after: int = 3) -> 
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], depth=8, blocks=12)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=12, help="timed blocks per backend and row")
+    ap.add_argument("--block", type=int, default=5, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
     rows = timings(args.depth, args.width, args.blocks, args.block, args.warmup)
     # Ours first: upstream's failure leaves the runtime unusable for this process.
     changes = {b: layout_change(b) for b in reversed(BACKENDS)}
     print(f"{args.depth}-layer MLP, width {args.width}, batch 64 over {xr.global_runtime_device_count()} "
           f"SPMD devices, SGD(momentum), {args.blocks} blocks of {args.block} steps per backend, alternated, pipelined")
-    print(f"{'layout':17} | {'loop':27} | {TIMING_HEADER} | max |param diff|")
+    ours = BACKENDS[1]
+    print(f"{'layout':17} | {'loop':27} | {'openxla ms':>10} | {'fused ms':>9} | {'ratio':>6} | {'block ratio':>11} | "
+          f"{'cpu ratio':>9} | execs/step | max |param diff|")
     for r in rows:
-        print(f"{r['layout']:17} | {r['loop']:27} | {timing_cells(r):<{len(TIMING_HEADER)}} | {r['max_param_diff']:.3g}")
+        m, e = r["median_ms"], r["executions_per_step"]
+        print(f"{r['layout']:17} | {r['loop']:27} | {m['openxla']:10.3f} | {m[ours]:9.3f} | "
+              f"{r['ratio_to_openxla'][ours]:6.3f} | {r['median_block_ratio_to_openxla'][ours]:11.3f} | "
+              f"{r['cpu_ratio_to_openxla'][ours]:9.3f} | {e['openxla']} -> {e[ours]:<5} | {r['max_param_diff']:.3g}")
     for b, outcome in changes.items():
         print(f"batch layout change after 7 steps, {b}: {outcome}")
     if args.json:

@@ -26,8 +26,8 @@ import torch_xla.debug.metrics as met  # noqa: E402
 
 from bench.models import by_name  # noqa: E402
 
-MODES = ("openxla", "openxla_fused_grad", "lazy", "torch_xla.compile")
-DYNAMO_MODES = MODES[:2]
+MODES = ("openxla", "openxla_fused_grad", "openxla_fused_step", "lazy", "torch_xla.compile")
+DYNAMO_MODES = MODES[:3]
 # name -> (set_to_none, micro-batches per step, optimizer compiled with the backend)
 LOOPS: dict[str, tuple[bool, int, bool]] = {
     "set_to_none": (True, 1, True),

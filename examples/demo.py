@@ -1,4 +1,4 @@
-"""Trains one MLP with `openxla` and with `openxla_fused_grad`; prints XLA executions per step.
+"""Trains one MLP with `openxla`, `openxla_fused_grad` and `openxla_fused_step`; prints XLA executions per step.
 
 The training script is the same for both backends; only the backend string
 changes, and `torch_xla_bridge` is never imported (the installed package's
@@ -22,7 +22,7 @@ import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
-BACKENDS = ("openxla", "openxla_fused_grad")
+BACKENDS = ("openxla", "openxla_fused_grad", "openxla_fused_step")
 LOOPS = {
     "zero_grad(set_to_none=False), compiled optimizer": dict(set_to_none=False, compiled_opt=True),
     "zero_grad(set_to_none=True), compiled optimizer": dict(set_to_none=True, compiled_opt=True),
@@ -45,6 +45,8 @@ def make_model(depth: int, width: int) -> nn.Module:
 
 
 def train(backend: str, steps: int, depth: int, width: int, set_to_none: bool, compiled_opt: bool):
+    # Each run compiles afresh, as its own training script would (and stays under dynamo's recompile limit).
+    torch._dynamo.reset()
     dev = torch_xla.device()
     model = make_model(depth, width).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -85,17 +87,17 @@ def main() -> None:
     for loop, kw in LOOPS.items():
         results = {b: train(b, args.steps, args.depth, args.width, **kw) for b in BACKENDS}
         print(f"loop: {loop}")
-        print(f"  {'step':>4} | {'openxla':>15} | {'openxla_fused_grad':>18} | loss (equal for both)")
+        print(f"  {'step':>4} | " + " | ".join(f"{b:>18}" for b in BACKENDS) + " | loss per backend")
         for i in range(args.steps):
             cells = []
             for b in BACKENDS:
                 f, bw, o = results[b][0][i]
                 cells.append(f"{f + bw + o} ({f}+{bw}+{o})")
-            la, lb = results[BACKENDS[0]][1][i], results[BACKENDS[1]][1][i]
-            print(f"  {i + 1:>4} | {cells[0]:>15} | {cells[1]:>18} | {la:.6f} {lb:.6f}")
+            losses = " ".join(f"{results[b][1][i]:.6f}" for b in BACKENDS)
+            print(f"  {i + 1:>4} | " + " | ".join(f"{c:>18}" for c in cells) + f" | {losses}")
         steady = {b: sum(map(sum, results[b][0][2:])) / max(1, args.steps - 2) for b in BACKENDS}
-        print(f"  steady state (step 3 on): openxla {steady['openxla']:.0f}, "
-              f"openxla_fused_grad {steady['openxla_fused_grad']:.0f} executions per step\n")
+        print("  steady state (step 3 on): "
+              + ", ".join(f"{b} {steady[b]:.0f}" for b in BACKENDS) + " executions per step\n")
 
 
 if __name__ == "__main__":

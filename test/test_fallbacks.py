@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torch_xla_bridge.dynamo_bridge import DeferredBackward
-from xla_helpers import FUSED, device, mlp, pending
+from xla_helpers import FUSED, device, executions, mlp, pending
 
 
 def run_steps(model: nn.Module, loss_of, steps: int = 2, **backward_kw):
@@ -65,7 +65,7 @@ def test_cpu_fallback_op_in_backward_falls_back_with_one_warning():
 
 
 class NoisyIdentity(torch.autograd.Function):
-    """Identity whose backward draws random numbers (weighted by zero)."""
+    """Identity whose backward adds uniform noise in [0, 1) to the gradient."""
 
     @staticmethod
     def forward(ctx, x):
@@ -73,16 +73,29 @@ class NoisyIdentity(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g + 0.0 * torch.rand_like(g)
+        return g + torch.rand_like(g)
 
 
-class Noisy(nn.Module):
-    def forward(self, x):
-        return NoisyIdentity.apply(x)
-
-
-def test_random_op_in_backward_falls_back_with_one_warning():
-    assert_falls_back_once(lambda: nn.Sequential(mlp(), Noisy()), "draws random numbers")
+def test_random_op_in_backward_is_fused_and_reseeded_every_call():
+    """The lowered backward takes the device's RNG seed as an input: fresh noise per call, no fallback."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4).to(device())
+    compiled = torch.compile(lambda x: NoisyIdentity.apply(lin(x)), backend=FUSED)
+    x = torch.randn(8, 16).to(device())
+    grads, execs = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            lin.zero_grad()
+            e0 = executions()
+            compiled(x).sum().backward()
+            execs.append(executions() - e0)
+            grads.append(lin.bias.grad.cpu())
+    assert [str(w.message) for w in caught if FUSED in str(w.message)] == []
+    assert execs[1:] == [2, 2]  # forward, backward with accumulation
+    for g in grads:  # d(sum)/d(bias) = sum over 8 rows of (1 + noise in [0, 1))
+        assert ((g >= 8) & (g < 16)).all(), g
+    assert not torch.equal(grads[0], grads[1]) and not torch.equal(grads[1], grads[2])
 
 
 def test_torch_xla_eager_mode_falls_back_with_one_warning():

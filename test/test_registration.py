@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 import torch._dynamo
 
 import torch_xla_bridge
-from xla_helpers import FUSED
+from xla_helpers import FUSED, FUSED_STEP
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -21,12 +21,13 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_entry_point_declared():
     eps = entry_points(group="torch_dynamo_backends")
-    assert FUSED in eps.names
+    assert FUSED in eps.names and FUSED_STEP in eps.names
     assert eps[FUSED].load() is torch_xla_bridge.openxla_fused_grad
+    assert eps[FUSED_STEP].load() is torch_xla_bridge.openxla_fused_step
 
 
 def test_listed_by_dynamo():
-    assert FUSED in torch._dynamo.list_backends()
+    assert {FUSED, FUSED_STEP} <= set(torch._dynamo.list_backends())
 
 
 def test_unchanged_script_without_import():

@@ -14,7 +14,9 @@ import torch_xla.debug.metrics as met
 
 UPSTREAM = "openxla"
 FUSED = "openxla_fused_grad"
+FUSED_STEP = "openxla_fused_step"
 SYNC_COUNTER = "OpenxlaFusedGradSync"
+STEP_COUNTER = "OpenxlaFusedStepSync"
 
 
 def device() -> torch.device:

@@ -7,9 +7,9 @@ backend; after ``pip install`` the ``torch_dynamo_backends`` entry point makes
 the name resolvable without any import.
 """
 
-from .backend import BACKEND_NAME, openxla_fused_grad, register
+from .backend import BACKEND_NAME, STEP_BACKEND_NAME, openxla_fused_grad, openxla_fused_step, register
 
-__all__ = ["BACKEND_NAME", "openxla_fused_grad", "register"]
+__all__ = ["BACKEND_NAME", "STEP_BACKEND_NAME", "openxla_fused_grad", "openxla_fused_step", "register"]
 __version__ = "0.1.0"
 
 register()

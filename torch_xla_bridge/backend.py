@@ -23,16 +23,17 @@ from torch._dynamo.backends.registry import register_backend
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "openxla_fused_grad"
+STEP_BACKEND_NAME = "openxla_fused_step"
 TORCH_XLA_INSTALL = "pip install torch_xla==2.9.0"
 
 
-def require_torch_xla() -> None:
+def require_torch_xla(backend: str = BACKEND_NAME) -> None:
     """Raises an ImportError naming the install command if torch_xla is missing."""
     try:
         import torch_xla  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            f"backend={BACKEND_NAME!r} needs torch_xla, which could not be imported "
+            f"backend={backend!r} needs torch_xla, which could not be imported "
             f"({e}). Install the release that matches torch {torch.__version__.split('+')[0]}: "
             f"`{TORCH_XLA_INSTALL}`, and run with an XLA device (e.g. PJRT_DEVICE=CPU)."
         ) from e
@@ -57,8 +58,27 @@ def openxla_fused_grad(
     )(gm, example_inputs, **kwargs)
 
 
+def openxla_fused_step(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+) -> Callable[..., Any]:
+    """Dynamo backend: forward, backward, accumulation and optimizer as one XLA execution per step.
+
+    Invariant: no graph compiled here executes on its own; the step is cut
+    where :mod:`torch_xla_bridge.fused_step` says, and then runs as one
+    execution.
+    """
+    require_torch_xla(STEP_BACKEND_NAME)
+    from . import dynamo_bridge, fused_step
+
+    dynamo_bridge.check_inputs_on_xla(gm, example_inputs, STEP_BACKEND_NAME)
+    return aot_autograd(**fused_step.compilers())(gm, example_inputs, **kwargs)
+
+
+_BACKENDS = {BACKEND_NAME: openxla_fused_grad, STEP_BACKEND_NAME: openxla_fused_step}
+
+
 def register() -> None:
-    """Makes ``backend="openxla_fused_grad"`` resolvable; safe to call repeatedly.
+    """Makes ``backend="openxla_fused_grad"`` and ``"openxla_fused_step"`` resolvable; safe to call repeatedly.
 
     When dynamo has already discovered our ``torch_dynamo_backends`` entry
     point it registers the backend itself on first lookup (registering it here
@@ -67,6 +87,6 @@ def register() -> None:
     """
     from torch._dynamo.backends import registry
 
-    if BACKEND_NAME in registry._COMPILER_FNS or registry._BACKENDS.get(BACKEND_NAME) is not None:
-        return
-    register_backend(compiler_fn=openxla_fused_grad, name=BACKEND_NAME)
+    for name, compiler_fn in _BACKENDS.items():
+        if name not in registry._COMPILER_FNS and registry._BACKENDS.get(name) is None:
+            register_backend(compiler_fn=compiler_fn, name=name)

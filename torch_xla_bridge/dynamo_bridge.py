@@ -7,9 +7,9 @@ its outputs are pending, not executed: the autograd engine's ``.grad``
 accumulation lands in the same pending graph, and the input it gets from
 outside (the loss seed, upstream gradients) fuses in as well.
 
-Where that is impossible (double backward, random ops, CPU-fallback ops,
-in-place input updates, torch_xla eager mode) a graph runs through the upstream
-path instead, correctly, with one warning saying why.
+Where that is impossible (double backward, CPU-fallback ops, in-place input
+updates, torch_xla eager mode) a graph runs through the upstream path instead,
+correctly, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from .backend import BACKEND_NAME
 
 log = logging.getLogger(__name__)
 
-_USER_COMPUTATION_NAME = "xla::openxla_fused_grad_backward"
+_USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
 
 
-def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
     """Raises if a graph input that is not a CPU scalar lives off the XLA device.
 
     0-dim CPU tensors are allowed: they act as scalars (optimizer step counts).
@@ -49,7 +49,7 @@ def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
             continue
         name = names[i] if i < len(names) else f"input {i}"
         raise RuntimeError(
-            f"backend={BACKEND_NAME!r}: graph input {name!r} (shape {tuple(t.shape)}, "
+            f"backend={backend!r}: graph input {name!r} (shape {tuple(t.shape)}, "
             f"dtype {t.dtype}) is on device {t.device}, not on an XLA device. Move the "
             f"model and its inputs to XLA first: `device = torch_xla.device()`, "
             f"`model.to(device)`, `x = x.to(device)`."
@@ -62,24 +62,52 @@ def compile_deferred_backward(gm: torch.fx.GraphModule, example_inputs: Sequence
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoweredBackward:
-    """One backward graph lowered for one input signature.
+class _LoweredGraph:
+    """One graph lowered for one input signature.
 
     ``sources[k]`` feeds HLO parameter ``k``: an index into the runtime
     arguments, or a constant tensor the lowering hoisted into a parameter.
     ``outputs[j]`` is an index into the computation's results, or the
     graph's non-tensor output itself (``None``, a Python number).
+    ``seed``: for a graph that draws random numbers, the parameter that takes
+    the device's RNG seed, and that device; fed a fresh seed on every call.
     """
 
     computation: Any
     sources: tuple[Union[int, torch.Tensor], ...]
     outputs: tuple[tuple[bool, Any], ...]
+    seed: Optional[tuple[int, str]] = None
 
     def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
         inputs = [args[s] if type(s) is int else s for s in self.sources]
+        if self.seed is not None:
+            inputs[self.seed[0]] = _next_seed(self.seed[1])
         results = torch_xla._XLAC._xla_user_computation(_USER_COMPUTATION_NAME, inputs, self.computation)
         outs = [results[v] if is_tensor else v for is_tensor, v in self.outputs]
         return outs, results
+
+
+def _next_seed(device: str) -> torch.Tensor:
+    """The device's RNG seed as a tensor; advances the RNG state, as upstream's bridge does per call."""
+    seed = torch_xla._XLAC._get_base_seed_as_tensor(device)
+    xm.set_rng_state((1012031 + torch_xla._XLAC._xla_get_rng_seed() * 7012063) % 18446744073709551615, device)
+    return seed
+
+
+def _seed_parameter(
+    params: dict[int, torch.Tensor], sources: Sequence[Any], seed_at_trace: int
+) -> Optional[int]:
+    """The hoisted parameter that holds the RNG seed the trace drew from, if exactly one does.
+
+    Random ops derive their seeds from one 0-dim int64 device-data value, the
+    device's base seed when they were traced; reading the few such candidates
+    back happens once per lowering and executes nothing.
+    """
+    found = [
+        pid for pid, t in params.items()
+        if type(sources[pid]) is not int and t.dtype == torch.int64 and t.dim() == 0 and int(t.cpu()) == seed_at_trace
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 _Signature = tuple[Any, ...]
@@ -106,31 +134,40 @@ def _is_static(example_inputs: Sequence[Any]) -> bool:
     return True
 
 
-class DeferredBackward:
-    """Runs a backward graph as one pending XLA node per call.
+class DeferredGraph:
+    """Runs an AOTAutograd graph as one pending XLA node per call.
 
     Invariants: a given input signature is lowered at most once (the cache key
     is shapes, dtypes and non-tensor values; a graph whose example inputs are
-    all static has one signature, so its key is empty); every call inside an
-    autograd pass hands its outputs to :func:`grad_sync.sync_at_end_of_backward`.
+    all static has one signature, so its key is empty); a call either embeds
+    the graph and executes nothing, or runs it through upstream ``openxla``
+    after one warning per graph saying why. Subclasses say what happens to a
+    call's pending outputs (:meth:`_deferred`) and when the upstream path is
+    forced (:meth:`_mode_reason`).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    kind = "forward"
+    # Finishes the fallback warning: what the user loses when this graph runs unfused.
+    unfused_effect = "it runs as an XLA execution of its own"
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
         self.gm = gm
         self.example_inputs = example_inputs
+        self.backend = backend
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         # Per signature: the lowered graph, or why it cannot be lowered (so the
         # probe runs once per signature, not once per call).
-        self._lowered: dict[_Signature, Union[_LoweredBackward, str]] = {}
+        self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
         self._static_reason = _unfusable_graph_reason(gm)
+        self._random = _draws_random_numbers(gm)
         self._warned = False
         # AOTAutograd's calling convention: one list argument that we may clear.
         # An instance attribute, so that dynamo's `disable` wrapper copies it.
         self._boxed_call = True
 
     def __call__(self, args: list) -> Any:
-        reason = self._static_reason or _unfusable_mode_reason()
+        reason = self._static_reason or self._mode_reason()
         if reason is None:
             key = self._signature(args)
             lowered = self._lowered.get(key)
@@ -141,16 +178,25 @@ class DeferredBackward:
             else:
                 outs, pending = lowered(args)
                 args.clear()
-                grad_sync.sync_at_end_of_backward(pending)
+                self._deferred(pending)
                 return outs
         return self._run_upstream(args, reason)
+
+    def _mode_reason(self) -> Optional[str]:
+        """Why this call must run through upstream, if the calling context forbids deferring."""
+        if is_eager_mode():
+            return "torch_xla eager mode executes every op on its own"
+        return None
+
+    def _deferred(self, pending: list[torch.Tensor]) -> None:
+        """Called with a call's pending results, after embedding it."""
 
     def _run_upstream(self, args: list, reason: str) -> Any:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"{BACKEND_NAME}: this backward graph runs unfused through upstream openxla "
-                f"(gradients correct, but accumulated into .grad outside its execution): {reason}"
+                f"{self.backend}: this {self.kind} graph runs unfused through upstream openxla "
+                f"({self.unfused_effect}): {reason}"
             )
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
@@ -158,11 +204,14 @@ class DeferredBackward:
             self._upstream = spmd.compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
-    def _lower(self, args: Sequence[Any]) -> Union[_LoweredBackward, str]:
+
+    def _lower(self, args: Sequence[Any]) -> Union[_LoweredGraph, str]:
         """Lowers the graph for the signature of ``args``, or returns why it cannot be."""
         reason = self._probe(args)
         if reason is not None:
             return reason
+        # Random ops derive their seeds from the device's base seed (not the running one).
+        seed_at_trace = int(torch_xla._XLAC._get_base_seed_as_tensor(str(torch_xla.device())).cpu()) if self._random else 0
         with torch.no_grad(), eager_mode_context(False):
             placeholders = [
                 xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
@@ -178,7 +227,7 @@ class DeferredBackward:
                     out_tensors.append(o)
                 else:
                     outputs.append((False, o))
-            ctx = torch_xla._XLAC.lowering.LoweringContext("FusedGradBackward")
+            ctx = torch_xla._XLAC.lowering.LoweringContext("FusedGradGraph")
             ctx.build(out_tensors)
             computation = xb.computation_from_module_proto(_USER_COMPUTATION_NAME, ctx.hlo())
             # Every device-data leaf of the traced graph is an HLO parameter:
@@ -193,13 +242,20 @@ class DeferredBackward:
             for pid, t in params.items():
                 if sources[pid] is None:
                     sources[pid] = t
+            seed = None
+            if self._random:
+                pid = _seed_parameter(params, sources, seed_at_trace)
+                if pid is None:
+                    return "it draws random numbers, and the seed they draw from was not found among its parameters"
+                seed = (pid, str(params[pid].device))
         log.debug(
-            "lowered backward graph: %d parameters (%d hoisted constants), %d outputs",
+            "lowered %s graph: %d parameters (%d hoisted constants), %d outputs",
+            self.kind,
             len(sources),
             sum(not isinstance(s, int) for s in sources),
             len(out_tensors),
         )
-        return _LoweredBackward(computation, tuple(sources), tuple(outputs))
+        return _LoweredGraph(computation, tuple(sources), tuple(outputs), seed)
 
     def _probe(self, args: Sequence[Any]) -> Optional[str]:
         """Traces the graph once on the real inputs; returns why it cannot be lowered, if so.
@@ -231,24 +287,55 @@ class DeferredBackward:
         return None
 
 
+class DeferredBackward(DeferredGraph):
+    """A backward graph whose outputs, with the ``.grad`` accumulation, are synced once per pass.
+
+    Invariant (``sync_at_end=True``): every call inside an autograd pass hands
+    its outputs to :func:`grad_sync.sync_at_end_of_backward`. With
+    ``sync_at_end=False`` nothing is synced: the step's boundary does it.
+    """
+
+    kind = "backward"
+    unfused_effect = "gradients correct, but accumulated into .grad outside its execution"
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        backend: str = BACKEND_NAME,
+        sync_at_end: bool = True,
+    ) -> None:
+        super().__init__(gm, example_inputs, backend)
+        self.sync_at_end = sync_at_end
+
+    def _mode_reason(self) -> Optional[str]:
+        if torch.is_grad_enabled() or _in_aot_double_backward():
+            return "the backward pass builds a graph (create_graph=True)"
+        if is_eager_mode():
+            return "torch_xla eager mode executes every accumulation on its own"
+        return None
+
+    def _deferred(self, pending: list[torch.Tensor]) -> None:
+        if self.sync_at_end:
+            grad_sync.sync_at_end_of_backward(pending)
+
+def _draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+        for node in gm.graph.nodes
+    )
+
+
 def _unfusable_graph_reason(gm: torch.fx.GraphModule) -> Optional[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if torch.Tag.nondeterministic_seeded in node.target.tags:
-            return f"it draws random numbers ({node.target}), which a cached computation would freeze"
         if node.target._schema.is_mutable:
             return f"it updates a tensor in place ({node.target})"
         if node.target is torch.ops.aten._local_scalar_dense.default:
             return f"it reads a tensor value on the host ({node.target})"
-    return None
-
-
-def _unfusable_mode_reason() -> Optional[str]:
-    if torch.is_grad_enabled() or _in_aot_double_backward():
-        return "the backward pass builds a graph (create_graph=True)"
-    if is_eager_mode():
-        return "torch_xla eager mode executes every accumulation on its own"
     return None
 
 

@@ -1,0 +1,370 @@
+"""`openxla_fused_step`: forward, backward, accumulation and optimizer as one XLA execution per step."""
+
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla.core.xla_model as xm
+
+from xla_helpers import (
+    FUSED,
+    FUSED_STEP,
+    STEP_COUNTER,
+    UPSTREAM,
+    cnn_task,
+    counter,
+    cpu_state,
+    device,
+    executions,
+    live_xla_tensors,
+    make_model,
+    mlp,
+    mlp_task,
+    pending,
+    train,
+    transformer_task,
+)
+
+STEPS = 5
+WARMUP = 2  # step 1 compiles; step 2 first sees momentum buffers and an existing .grad
+
+
+def assert_same_training(ours, theirs, rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    assert [r.loss for r in ours.steps] == pytest.approx([r.loss for r in theirs.steps], rel=rtol, abs=atol)
+    want = cpu_state(theirs.model)
+    for name, value in cpu_state(ours.model).items():
+        torch.testing.assert_close(value, want[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("compiled_optimizer", [True, False], ids=["compiled_opt", "eager_opt_mark_step"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zero_grads"])
+def test_one_execution_per_step(set_to_none, compiled_optimizer):
+    kw = dict(steps=STEPS, set_to_none=set_to_none, compiled_optimizer=compiled_optimizer)
+    cuts = counter(STEP_COUNTER)
+    ours = train(mlp_task(), FUSED_STEP, **kw)
+    # A compiled optimizer step cuts the step itself; otherwise mark_step does.
+    assert counter(STEP_COUNTER) - cuts == (STEPS if compiled_optimizer else 0)
+    base = train(mlp_task(), UPSTREAM, **kw)
+    for rec in ours.steps[WARMUP:]:
+        # Forward and backward execute nothing; the step runs at the optimizer / mark_step.
+        assert (rec.forward, rec.backward, rec.optimizer) == (0, 0, 1), rec
+    assert [r.total for r in base.steps[WARMUP:]] == [5 if not set_to_none and compiled_optimizer else 4] * 3
+    assert len(set(ours.uncached_compiles[WARMUP:])) == 1  # nothing compiles after warm-up
+    assert_same_training(ours, base)
+
+
+@pytest.mark.parametrize("make_task", [cnn_task, transformer_task], ids=["cnn", "transformer"])
+@pytest.mark.parametrize("optimizer", ["momentum", "adamw"])
+def test_matches_upstream_and_eager_cpu(make_task, optimizer):
+    task = make_task()
+    kw = dict(steps=6, optimizer=optimizer, set_to_none=False, compiled_optimizer=optimizer == "momentum")
+    ours = train(task, FUSED_STEP, model=make_model(task), **kw)
+    base = train(task, UPSTREAM, model=make_model(task), **kw)
+    eager = train(task, None, model=make_model(task), on_xla=False, **kw)
+    # One XLA program for the whole step rounds differently from three: not bit-equal.
+    assert_same_training(ours, base, rtol=1e-5, atol=1e-6)
+    assert_same_training(ours, eager, rtol=1e-5, atol=1e-6)
+    assert [r.total for r in ours.steps[WARMUP:]] == [1] * (6 - WARMUP)
+
+
+def test_gradient_accumulation_is_one_execution_per_step():
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    results = {}
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference), (FUSED, copy.deepcopy(reference))):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
+        step = torch.compile(opt.step, backend=backend)
+        g = torch.Generator().manual_seed(0)
+        counts = []
+        for _ in range(4):
+            e0 = executions()
+            opt.zero_grad(set_to_none=False)
+            for _ in range(4):
+                x, y = torch.randn(8, 16, generator=g).to(device()), torch.randn(8, 4, generator=g).to(device())
+                (fwd(x, y) / 4).backward()
+            step()
+            counts.append(executions() - e0)
+        results[backend] = counts
+    assert results[FUSED_STEP][WARMUP:] == [1, 1]
+    assert results[FUSED][WARMUP:] == [9, 9]  # 4 forwards, 4 backwards, the optimizer
+    assert results[UPSTREAM][WARMUP:] == [14, 14]
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
+
+
+class WithGraphBreaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = F.relu(self.a(x))
+        torch._dynamo.graph_break()
+        x = F.relu(self.b(x))
+        torch._dynamo.graph_break()
+        return self.c(x)
+
+
+def test_graph_breaks_stay_one_execution_per_step():
+    torch.manual_seed(0)
+    cpu_model = WithGraphBreaks()
+    models = {b: copy.deepcopy(cpu_model).to(device()) for b in (FUSED_STEP, UPSTREAM, FUSED)}
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    counts = {}
+    for backend, model in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        compiled = torch.compile(model, backend=backend)
+        counts[backend] = []
+        for _ in range(4):
+            e0 = executions()
+            F.mse_loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            xm.mark_step()
+            counts[backend].append(executions() - e0)
+    assert counts[FUSED_STEP][1:] == [1, 1, 1]
+    assert counts[UPSTREAM][1:] == [8, 8, 8]  # 3 forward and 3 backward graphs, the seed sync, mark_step
+    assert counts[FUSED][1:] == [5, 5, 5]  # 3 forward graphs, one backward for all, mark_step
+    for p, q in zip(models[FUSED_STEP].parameters(), models[UPSTREAM].parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("read_at", ["before_backward", "after_backward"])
+def test_loss_read_mid_step_degrades_once_and_stays_correct(read_at):
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    losses, counts = {}, {}
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
+        losses[backend], counts[backend] = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                e0 = executions()
+                loss = fwd(x, y)
+                if read_at == "before_backward":
+                    losses[backend].append(loss.item())
+                loss.backward()
+                if read_at == "after_backward":
+                    losses[backend].append(loss.item())
+                opt.step()
+                opt.zero_grad()
+                xm.mark_step()
+                counts[backend].append(executions() - e0)
+        if backend == FUSED_STEP:
+            ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
+            assert len(ours) == 1, ours
+            assert f"between its {'forward and backward' if read_at == 'before_backward' else 'backward and'}" in ours[0]
+    # Step 1 reads the deferred forward (1 execution) and computes it again in the
+    # step; then the forward executes on its own, so the read costs nothing.
+    assert counts[FUSED_STEP] == [2] * 5
+    assert counts[UPSTREAM][WARMUP:] == [4] * 3
+    assert losses[FUSED_STEP] == pytest.approx(losses[UPSTREAM], rel=1e-6)
+
+
+def test_eager_optimizer_without_sync_is_cut_at_the_next_forward():
+    """No `mark_step`: one step's pending updates never grow into the next step's graph."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    compiled = torch.compile(model, backend=FUSED_STEP)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    counts, live = [], []
+    for _ in range(30):
+        e0 = executions()
+        F.mse_loss(compiled(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(executions() - e0)
+        gc.collect()
+        live.append(live_xla_tensors())
+    assert counts[WARMUP:] == [1] * (30 - WARMUP)
+    assert len(set(live[WARMUP:])) == 1
+    xm.mark_step()
+
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(30):
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        xm.mark_step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_graph_ends_the_step_and_matches_upstream():
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    x = torch.randn(8, 16).to(device())
+    want = torch.compile(model, backend=UPSTREAM)(x).cpu()
+    compiled = torch.compile(model, backend=FUSED_STEP)
+    with torch.no_grad():
+        for _ in range(3):
+            before = executions()
+            out = compiled(x)
+            assert executions() - before == 1
+            assert not any(pending([out]))
+    torch.testing.assert_close(out.cpu(), want)
+
+
+class Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), p=0.5, training=True)
+
+
+def test_dropout_is_fused_with_a_fresh_mask_every_step():
+    ratios, masks = {}, []
+    for backend in (FUSED_STEP, UPSTREAM):
+        torch.manual_seed(0)
+        model = Dropout().to(device())
+        compiled = torch.compile(model, backend=backend)
+        x = torch.randn(8, 16).to(device())
+        counts = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                model.zero_grad()
+                e0 = executions()
+                out = compiled(x)
+                out.sum().backward()
+                xm.mark_step()
+                counts.append(executions() - e0)
+                kept = (out != 0).sum(0).cpu().float()
+                grad = model.fc.bias.grad.cpu()
+                # The backward used the forward's mask: d(sum)/d(bias) is one factor times kept count.
+                ratio = grad[kept > 0] / kept[kept > 0]
+                assert torch.all(ratio == ratio[0]) and torch.all(grad[kept == 0] == 0)
+                ratios.setdefault(backend, set()).add(ratio[0].item())
+                if backend == FUSED_STEP:
+                    masks.append(out != 0)
+        if backend == FUSED_STEP:
+            assert [str(w.message) for w in caught if FUSED_STEP in str(w.message)] == []
+            assert counts[1:] == [1, 1, 1]
+    assert ratios[FUSED_STEP] == ratios[UPSTREAM] and len(ratios[UPSTREAM]) == 1
+    assert all(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(masks, masks[1:]))  # not frozen
+
+
+def test_batchnorm_buffers_match_upstream():
+    task = cnn_task(batch_norm=True)
+    kw = dict(steps=4, set_to_none=False, compiled_optimizer=False)
+    ours = train(task, FUSED_STEP, model=make_model(task), **kw)
+    base = train(task, UPSTREAM, model=make_model(task), **kw)
+    assert_same_training(ours, base, rtol=1e-5, atol=1e-6)  # running_mean/var included in the state
+    assert [r.total for r in ours.steps[WARMUP:]] == [1, 1]
+
+
+def test_changing_batch_size_relowers_per_shape():
+    """Automatic dynamic shapes: a new batch size is lowered once, a seen one compiles nothing."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    sizes = [8, 12, 16, 12]
+    execs, uncached, grads = [], [], {}
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+        compiled = torch.compile(m, backend=backend)
+        grads[backend] = []
+        for n in sizes:
+            x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n)).to(device())
+            m.zero_grad()
+            e0, u0 = executions(), counter("UncachedCompile")
+            compiled(x).square().mean().backward()
+            xm.mark_step()
+            if backend == FUSED_STEP:
+                execs.append(executions() - e0)
+                uncached.append(counter("UncachedCompile") - u0)
+            grads[backend].append(m[0].weight.grad.cpu())
+    assert execs == [1] * len(sizes)
+    assert uncached[-1] == 0  # batch 12 again
+    for got, want in zip(grads[FUSED_STEP], grads[UPSTREAM], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_create_graph_is_correct():
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    compiled = torch.compile(model, backend=FUSED_STEP)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x.to(device())).square().mean().backward(create_graph=True)
+            xm.mark_step()
+    assert any("create_graph=True" in str(w.message) for w in caught if FUSED_STEP in str(w.message))
+    cpu_model(x).square().mean().backward(create_graph=True)
+    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_input_on_cpu_is_a_clear_error():
+    model = mlp().to(device())
+    dev = device()
+    compiled = torch.compile(lambda x: model(x.to(dev)), backend=FUSED_STEP)
+    with pytest.raises(Exception, match=r"backend='openxla_fused_step': graph input 'l_x_' .*is on device cpu"):
+        compiled(torch.randn(8, 16))
+
+
+def test_resolves_without_import():
+    from test_registration import run_python
+
+    proc = run_python(
+        """
+        import sys
+        import torch, torch_xla
+        dev = torch_xla.device()
+        model = torch.nn.Linear(4, 3).to(dev)
+        compiled = torch.compile(model, backend="openxla_fused_step")
+        out = compiled(torch.randn(2, 4).to(dev)).sum()
+        out.backward()
+        torch_xla.sync()
+        print("loaded-by-entry-point", "torch_xla_bridge" in sys.modules, float(out))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded-by-entry-point True" in proc.stdout
+
+
+def test_optimizer_compiled_with_another_backend_degrades_once():
+    """The step then runs in pieces; the forward is switched to executing on its own, once, correctly."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    losses, counts = {}, []
+    for backend, m in ((FUSED_STEP, model), (UPSTREAM, reference)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
+        step = torch.compile(opt.step, backend=UPSTREAM)
+        losses[backend] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                e0 = executions()
+                loss = fwd(x, y)
+                loss.backward()
+                step()
+                opt.zero_grad(set_to_none=False)
+                losses[backend].append(loss.item())
+                if backend == FUSED_STEP:
+                    counts.append(executions() - e0)
+        if backend == FUSED_STEP:
+            ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
+            assert len(ours) == 1 and "executed by something other than" in ours[0], ours
+    # Forward on its own, the optimizer's input sync (backward + accumulation), the optimizer.
+    assert counts[WARMUP:] == [3, 3, 3]
+    assert losses[FUSED_STEP] == pytest.approx(losses[UPSTREAM], rel=1e-6)

@@ -1,0 +1,168 @@
+"""The data of an execution report: executions, steps, and the one-line verdict.
+
+Pure data and arithmetic, no torch_xla: the recorder
+(:mod:`torch_xla_bridge.explain.recorder`) fills it, :mod:`.render` prints it.
+Invariant: ``report.total`` (the rows) equals ``report.metrics["ExecuteTime"]``,
+torch_xla's own count of executions over the same span, because every execution
+the recorder cannot attribute to an entry point is still listed (as "value read",
+".grad read" or "other").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+from typing import Any, Optional
+
+
+class Cause(str, enum.Enum):
+    """Why an XLA execution ran."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    INPUT_SYNC = "input sync"
+    GRAD_ACCUMULATION = "gradient accumulation"
+    GRAD_READ = ".grad read"
+    MARK_STEP = "mark_step"
+    VALUE_READ = "value read"
+    OTHER = "other"
+
+
+# Causes that a fused backward removes, with the reason shown in the verdict.
+AVOIDABLE: dict[Cause, str] = {
+    Cause.INPUT_SYNC: "a compiled graph's input held pending IR (e.g. the loss seed of "
+    "backward) and was executed on its own first",
+    Cause.GRAD_ACCUMULATION: "AccumulateGrad left .grad as pending IR, executed on its own "
+    "before the next compiled graph",
+    Cause.GRAD_READ: "a read of .grad executed the accumulation AccumulateGrad left pending",
+}
+FIX = "backend='openxla_fused_grad' runs them inside the backward's execution"
+
+
+@dataclasses.dataclass
+class Execution:
+    """One XLA execution.
+
+    ``graph_hash``, ``inputs`` and ``outputs`` come from torch_xla's execution
+    analysis (``PT_XLA_DEBUG_LEVEL``) when it is on; without it, from the
+    entry point's own arguments where it has them (``_run_cached_graph``), else None.
+    """
+
+    cause: Cause
+    detail: str
+    entry: str  # the torch_xla entry point that ran it, or "" for none intercepted
+    frame: str  # the user's Python frame that triggered it ("" if unknown)
+    graph_hash: Optional[str] = None
+    inputs: Optional[int] = None
+    outputs: Optional[int] = None
+    torch_xla_cause: Optional[str] = None  # the analysis's own "Execution Cause"
+    ir: Optional[str] = None  # pending IR of the synced tensors, where the recorder saw them
+
+    @property
+    def avoidable(self) -> bool:
+        return self.cause in AVOIDABLE
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["cause"] = self.cause.value
+        d["avoidable"] = self.avoidable
+        return d
+
+
+@dataclasses.dataclass
+class Step:
+    """The executions of one training step (see the recorder for where steps end)."""
+
+    number: int
+    executions: list[Execution] = dataclasses.field(default_factory=list)
+    # Leaves whose .grad still held pending IR right after a backward pass.
+    pending_grads: list[str] = dataclasses.field(default_factory=list)
+    backward_passes: int = 0
+    optimizer_steps: int = 0
+    complete: bool = True
+
+    @property
+    def total(self) -> int:
+        return len(self.executions)
+
+    @property
+    def avoidable(self) -> list[Execution]:
+        return [e for e in self.executions if e.avoidable]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.number,
+            "complete": self.complete,
+            "total": self.total,
+            "avoidable": len(self.avoidable),
+            "backward_passes": self.backward_passes,
+            "optimizer_steps": self.optimizer_steps,
+            "pending_grads": list(self.pending_grads),
+            "executions": [e.to_dict() for e in self.executions],
+        }
+
+
+@dataclasses.dataclass
+class ExecutionReport:
+    """Every XLA execution of a run, per step, and torch_xla's metric deltas over the run."""
+
+    steps: list[Step] = dataclasses.field(default_factory=list)
+    metrics: dict[str, int] = dataclasses.field(default_factory=dict)
+    analysis: bool = False  # torch_xla's execution analysis was read
+    stopped_after: Optional[int] = None  # --steps N stopped the run
+
+    @property
+    def total(self) -> int:
+        return sum(s.total for s in self.steps)
+
+    def complete_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.complete]
+
+    def steady_steps(self) -> list[Step]:
+        """The steps after the first (which compiles), or the only one."""
+        steps = self.complete_steps()
+        return steps[1:] if len(steps) > 1 else steps
+
+    def verdict(self) -> str:
+        """One line: executions per steady-state step and which of them are avoidable."""
+        steady = self.steady_steps()
+        if not steady:
+            return f"no complete training step observed ({self.total} executions in all)"
+        totals = sorted({s.total for s in steady})
+        per_step = str(totals[0]) if len(totals) == 1 else f"{totals[0]}-{totals[-1]}"
+        first, last = steady[0].number, steady[-1].number
+        span = f"step {first}" if first == last else f"steps {first}-{last}"
+        line = f"{per_step} executions per step ({span})"
+        # The last step stands for the steady state: its avoidable executions, by cause.
+        rep = steady[-1]
+        avoidable = collections.Counter(e.cause for e in rep.avoidable)
+        if not avoidable:
+            causes = ", ".join(e.cause.value for e in rep.executions) or "none"
+            return f"{line}; none avoidable ({causes})"
+        n = sum(avoidable.values())
+        parts = ", ".join(
+            f"{c.value} x{avoidable[c]}" if avoidable[c] > 1 else c.value
+            for c in AVOIDABLE
+            if c in avoidable
+        )
+        return f"{line}; {n} avoidable: {parts} ({FIX})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_executions": self.total,
+            "metrics": dict(self.metrics),
+            "analysis": self.analysis,
+            "stopped_after": self.stopped_after,
+            "verdict": self.verdict(),
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+    def to_json(self, path: Optional[str] = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
