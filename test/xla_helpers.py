@@ -24,10 +24,12 @@ def device() -> torch.device:
 
 
 def executions() -> int:
-    """XLA programs executed so far in this process (waits for pending async work first)."""
+    """XLA programs executed so far in this process (waits for pending async work first).
+
+    Under SPMD every program is a replicated execution (``ExecuteReplicatedTime``).
+    """
     xm.wait_device_ops()
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
+    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
 
 
 def counter(name: str) -> int:
@@ -178,13 +180,15 @@ def train(
     on_xla: bool = True,
     seed: int = 0,
     model: Optional[nn.Module] = None,
+    shard_batch: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
 ) -> RunResult:
     """Trains ``task`` and records XLA executions per phase of every step.
 
     ``backend=None`` is eager (on CPU when ``on_xla`` is False). The forward
     and the loss run as one compiled function; ``compiled_optimizer`` compiles
     ``optimizer.step`` with the same backend, otherwise the step is eager and
-    followed by ``xm.mark_step()``.
+    followed by ``xm.mark_step()``. ``shard_batch(x, y)`` annotates each
+    batch on the device (SPMD) before the first step.
     """
     dev = device() if on_xla else torch.device("cpu")
     model = (model if model is not None else make_model(task, seed)).to(dev)
@@ -198,6 +202,9 @@ def train(
     step = torch.compile(opt.step, backend=backend) if backend and compiled_optimizer else opt.step
     g = torch.Generator().manual_seed(1234)
     batches = [tuple(t.to(dev) for t in task.make_batch(g)) for _ in range(steps)]
+    if shard_batch is not None:
+        for x, y in batches:
+            shard_batch(x, y)
     if on_xla:
         xm.mark_step()
     records, uncached = [], []

@@ -49,13 +49,11 @@ def openxla_fused_grad(
     AccumulateGrad node, covering the ``.grad`` of every leaf those graphs feed.
     """
     require_torch_xla()
-    from torch._dynamo.backends.torchxla import openxla_eval_boxed
-
-    from . import dynamo_bridge
+    from . import dynamo_bridge, spmd
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
     return aot_autograd(
-        fw_compiler=openxla_eval_boxed,
+        fw_compiler=spmd.compile_upstream,
         bw_compiler=dynamo_bridge.compile_deferred_backward,
     )(gm, example_inputs, **kwargs)
 

@@ -29,10 +29,9 @@ import torch_xla
 import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from torch._dynamo.backends.torchxla import openxla_eval_boxed
 from torch_xla.experimental.eager import eager_mode_context, is_eager_mode
 
-from . import grad_sync
+from . import grad_sync, spmd
 from .backend import BACKEND_NAME
 
 log = logging.getLogger(__name__)
@@ -291,8 +290,11 @@ class DeferredGraph:
 
 
 def _compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
-    """Upstream ``openxla``'s unfused compiled function for ``gm``; called with one list (boxed)."""
-    return openxla_eval_boxed(gm, example_inputs)
+    """Upstream ``openxla``'s unfused compiled function for ``gm``; called with one list (boxed).
+
+    Under SPMD its input-sharding check never expires (see :mod:`torch_xla_bridge.spmd`).
+    """
+    return spmd.compile_upstream(gm, example_inputs)
 
 
 class DeferredBackward(DeferredGraph):
@@ -370,5 +372,5 @@ def _fallback_counts() -> dict[str, int]:
 
 
 def _execution_count() -> int:
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
+    # Under SPMD every execution is a replicated one, recorded under its own metric.
+    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))

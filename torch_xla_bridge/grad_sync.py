@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 import torch
 import torch_xla
 
+from . import spmd
+
 log = logging.getLogger(__name__)
 
 # A torch_xla counter (shown by metrics_report()) bumped by every end-of-backward sync.
@@ -52,13 +54,15 @@ class _BackwardPass:
     def tensors_to_sync(self) -> list[torch.Tensor]:
         # Every leaf of a graph compiled by this backend is on XLA (checked at
         # compile time), so no device test; two graphs may share a leaf, and an
-        # output may be a .grad itself, hence the deduplication.
+        # output may be a .grad itself, hence the deduplication. Under SPMD each
+        # .grad is pinned to its parameter's sharding before the sync.
         tensors: dict[int, torch.Tensor] = {}
         for node in self.nodes:
             for fn, _ in node.next_functions:
                 if type(fn) is _AccumulateGrad:
                     grad = fn.variable.grad
                     if grad is not None:
+                        spmd.keep_param_sharding(fn.variable, grad)
                         tensors[id(grad)] = grad
         for ref in self.outputs:
             t = ref()

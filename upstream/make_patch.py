@@ -97,18 +97,36 @@ _UNFUSED_COMPILE = '''    from torch_xla._dynamo import dynamo_bridge
     return run
 '''
 
+# torch_xla_bridge/spmd.py's keep_param_sharding, inlined into grad_sync.py: upstream
+# needs the gradient-sharding fix, and not the package's input-sharding workaround
+# (the patched bridge itself is where upstream would change its threshold).
+_KEEP_PARAM_SHARDING = '''
+
+def _keep_param_sharding(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Makes ``grad`` (pending) come out of its execution sharded like ``param`` (under SPMD)."""
+    if not xr.is_spmd():
+        return
+    spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+    if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
+        torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
+'''
+
 EDITS: dict[str, tuple[str, Edits]] = {
     "torch_xla/_dynamo/grad_sync.py": (
         "grad_sync.py",
         [
             (":mod:`torch_xla_bridge.dynamo_bridge`", ":mod:`torch_xla._dynamo.deferred_backward`"),
             ('SYNC_COUNTER = "OpenxlaFusedGradSync"', 'SYNC_COUNTER = "DynamoFusedGradSync"'),
+            ("from . import spmd\n\n", ""),
+            ("log = logging.getLogger(__name__)\n", "log = logging.getLogger(__name__)\n" + _KEEP_PARAM_SHARDING),
+            ("spmd.keep_param_sharding(fn.variable, grad)", "_keep_param_sharding(fn.variable, grad)"),
+            ("import torch_xla\n", "import torch_xla\nimport torch_xla.runtime as xr\n"),
         ],
     ),
     "torch_xla/_dynamo/deferred_backward.py": (
         "dynamo_bridge.py",
         [
-            ("from torch._dynamo.backends.torchxla import openxla_eval_boxed\n", ""),
+            ("from . import grad_sync, spmd\n", "from . import grad_sync\n"),
             ("from .backend import BACKEND_NAME\n", ""),
             (
                 '_USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"',
@@ -117,7 +135,7 @@ EDITS: dict[str, tuple[str, Edits]] = {
             ("runs unfused through upstream openxla ", "runs unfused "),
             ('    """AOTAutograd backward compiler of ``openxla_fused_grad``."""',
              '    """An AOTAutograd backward compiler: ``aot_autograd(fw_compiler=..., bw_compiler=this)``."""'),
-            ("    return openxla_eval_boxed(gm, example_inputs)\n", _UNFUSED_COMPILE),
+            ("    return spmd.compile_upstream(gm, example_inputs)\n", _UNFUSED_COMPILE),
         ],
     ),
 }
