@@ -97,12 +97,12 @@ def test_patch_touches_the_bridge_config_and_adds_the_modules(patched_root):
     ]
     for rel in files:
         assert (patched_root / rel).is_file(), rel
-    # The shared implementation: the patched module is the package's module.
-    ours = (ROOT / "torch_xla_bridge/grad_sync.py").read_text()
-    theirs = (patched_root / "torch_xla/_dynamo/grad_sync.py").read_text()
-    assert theirs.replace("DynamoFusedGradSync", "OpenxlaFusedGradSync").replace(
-        "torch_xla._dynamo.deferred_backward", "torch_xla_bridge.dynamo_bridge"
-    ) == ours
+    # The shared implementation: the patched module is the package's module with the listed edits.
+    rel = "torch_xla/_dynamo/grad_sync.py"
+    source, edits = make_patch.EDITS[rel]
+    ours = (ROOT / "torch_xla_bridge" / source).read_text()
+    theirs = (patched_root / rel).read_text()
+    assert theirs == make_patch.apply_edits(ours, edits, rel)
 
 
 def test_upstream_style_tests_pass_on_the_patched_copy(patched_root):
