@@ -27,6 +27,7 @@ import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
+import torch._dynamo  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 
@@ -96,6 +97,9 @@ def measure(trainers: dict[str, Trainer], blocks: int, block: int, wait_each_ste
 def run(workload: str, modes: list[str], loops: list[str], blocks: int, block: int, warmup: int) -> list[dict]:
     rows = []
     for loop in loops:
+        # A fresh dynamo per loop: the trainers of all loops share their functions' code
+        # objects, and their compiles together would pass dynamo's recompile limit.
+        torch._dynamo.reset()
         trainers = {m: Trainer(m, workload, loop) for m in modes}
         for t in trainers.values():
             t.block(warmup, wait_each_step=True)
