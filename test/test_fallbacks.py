@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torch_xla_bridge.dynamo_bridge import DeferredBackward
-from xla_helpers import FUSED, device, executions, mlp, pending
+from xla_helpers import FUSED, FUSED_STEP, device, executions, mlp, pending
 
 
 def run_steps(model: nn.Module, loss_of, steps: int = 2, **backward_kw):
@@ -122,12 +122,13 @@ def test_model_on_cpu_is_a_clear_error():
     assert "model.to(device)" in message and "torch_xla.device()" in message
 
 
-def test_input_on_cpu_is_a_clear_error():
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_input_on_cpu_is_a_clear_error(backend):
     model = mlp().to(device())
     # A CPU input that reaches the backend (dynamo itself rejects an op mixing
     # CPU and XLA operands earlier, naming both devices).
     dev = device()
-    compiled = torch.compile(lambda x: model(x.to(dev)), backend=FUSED)
-    with pytest.raises(Exception, match=r"graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
+    compiled = torch.compile(lambda x: model(x.to(dev)), backend=backend)
+    with pytest.raises(Exception, match=rf"backend='{backend}': graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
         compiled(torch.randn(8, 16))
 
