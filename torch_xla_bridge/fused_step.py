@@ -35,11 +35,11 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
+from .backend import STEP_BACKEND_NAME as BACKEND_NAME
 from .dynamo_bridge import DeferredBackward, DeferredGraph
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "openxla_fused_step"
 # A torch_xla counter (shown by metrics_report()) bumped by every step this backend cuts.
 STEP_COUNTER = "OpenxlaFusedStepSync"
 

@@ -57,13 +57,15 @@ class _BackwardPass:
         # output may be a .grad itself, hence the deduplication. Under SPMD each
         # .grad is pinned to its parameter's sharding before the sync.
         tensors: dict[int, torch.Tensor] = {}
+        leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
         for node in self.nodes:
             for fn, _ in node.next_functions:
                 if type(fn) is _AccumulateGrad:
                     grad = fn.variable.grad
                     if grad is not None:
-                        spmd.keep_param_sharding(fn.variable, grad)
+                        leaves.append((fn.variable, grad))
                         tensors[id(grad)] = grad
+        spmd.keep_param_shardings(leaves)
         for ref in self.outputs:
             t = ref()
             if t is not None:

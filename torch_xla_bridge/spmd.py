@@ -5,7 +5,7 @@ Two things differ from a single device:
 - **Gradients keep their parameter's sharding.** Nothing in the backward pins
   the sharding of a gradient, so the partitioner picks one (e.g. a
   ``[4,1]``-sharded weight got a ``[1,4]`` gradient, a sharded bias a
-  replicated one). :func:`keep_param_sharding` annotates each pending
+  replicated one). :func:`keep_param_shardings` annotates each pending
   ``.grad`` with its parameter's sharding before the end-of-backward sync, so
   the partitioner produces it in that layout inside the same execution.
 - **Input shardings can change between calls.** Upstream's bridge compares
@@ -48,17 +48,20 @@ _THRESHOLD_ENV = "XLA_DYNAMO_INPUT_SHARDING_CHECK_THRESHOLD"
 _NEVER = str(2**62)
 
 
-def keep_param_sharding(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Makes ``grad`` (pending) come out of its execution sharded like ``param``.
+def keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Makes each pending ``grad`` come out of its execution sharded like its ``param``.
 
-    A no-op without SPMD, for an unsharded parameter, and when the shardings
-    already agree (every step after the first, for an accumulated ``.grad``).
+    ``leaves`` holds ``(param, grad)`` pairs. A no-op without SPMD (checked
+    once per call: this runs on every backward), for an unsharded parameter,
+    and where the shardings already agree (every step after the first, for an
+    accumulated ``.grad``).
     """
-    if not xr.is_spmd():
+    if not leaves or not xr.is_spmd():
         return
-    spec = torch_xla._XLAC._get_xla_sharding_spec(param)
-    if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
-        torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
+    for param, grad in leaves:
+        spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+        if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
+            torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
 
 
 @contextlib.contextmanager

@@ -97,18 +97,19 @@ _UNFUSED_COMPILE = '''    from torch_xla._dynamo import dynamo_bridge
     return run
 '''
 
-# torch_xla_bridge/spmd.py's keep_param_sharding, inlined into grad_sync.py: upstream
+# torch_xla_bridge/spmd.py's keep_param_shardings, inlined into grad_sync.py: upstream
 # needs the gradient-sharding fix, and not the package's input-sharding workaround
 # (the patched bridge itself is where upstream would change its threshold).
 _KEEP_PARAM_SHARDING = '''
 
-def _keep_param_sharding(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Makes ``grad`` (pending) come out of its execution sharded like ``param`` (under SPMD)."""
-    if not xr.is_spmd():
+def _keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Makes each pending ``grad`` of ``(param, grad)`` come out sharded like ``param`` (under SPMD)."""
+    if not leaves or not xr.is_spmd():
         return
-    spec = torch_xla._XLAC._get_xla_sharding_spec(param)
-    if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
-        torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
+    for param, grad in leaves:
+        spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+        if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
+            torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
 '''
 
 EDITS: dict[str, tuple[str, Edits]] = {
@@ -119,7 +120,7 @@ EDITS: dict[str, tuple[str, Edits]] = {
             ('SYNC_COUNTER = "OpenxlaFusedGradSync"', 'SYNC_COUNTER = "DynamoFusedGradSync"'),
             ("from . import spmd\n\n", ""),
             ("log = logging.getLogger(__name__)\n", "log = logging.getLogger(__name__)\n" + _KEEP_PARAM_SHARDING),
-            ("spmd.keep_param_sharding(fn.variable, grad)", "_keep_param_sharding(fn.variable, grad)"),
+            ("spmd.keep_param_shardings(leaves)", "_keep_param_shardings(leaves)"),
             ("import torch_xla\n", "import torch_xla\nimport torch_xla.runtime as xr\n"),
         ],
     ),
