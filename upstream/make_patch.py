@@ -19,6 +19,7 @@ with ``git apply`` or ``patch -p1`` as well as to an installed package).
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import difflib
 import hashlib
@@ -97,20 +98,22 @@ _UNFUSED_COMPILE = '''    from torch_xla._dynamo import dynamo_bridge
     return run
 '''
 
-# torch_xla_bridge/spmd.py's keep_param_shardings, inlined into grad_sync.py: upstream
-# needs the gradient-sharding fix, and not the package's input-sharding workaround
-# (the patched bridge itself is where upstream would change its threshold).
-_KEEP_PARAM_SHARDING = '''
 
-def _keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Makes each pending ``grad`` of ``(param, grad)`` come out sharded like ``param`` (under SPMD)."""
-    if not leaves or not xr.is_spmd():
-        return
-    for param, grad in leaves:
-        spec = torch_xla._XLAC._get_xla_sharding_spec(param)
-        if spec and spec != torch_xla._XLAC._get_xla_sharding_spec(grad):
-            torch_xla._XLAC._xla_mark_sharding(grad, torch_xla._XLAC._get_xla_op_sharding(param))
-'''
+
+def _package_function(module: str, name: str) -> str:
+    """The source of a top-level function of one of the package's modules, as written there."""
+    text = (PACKAGE / module).read_text()
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.get_source_segment(text, node) + "\n"
+
+
+# torch_xla_bridge/spmd.py's keep_param_shardings, inlined into grad_sync.py (read from
+# the package, not copied): upstream needs the gradient-sharding fix, and not the
+# package's input-sharding workaround (the patched bridge is where upstream would
+# change its threshold).
+_KEEP_PARAM_SHARDING = "\n\n" + _package_function("spmd.py", "keep_param_shardings").replace(
+    "def keep_param_shardings(", "def _keep_param_shardings("
+)
 
 EDITS: dict[str, tuple[str, Edits]] = {
     "torch_xla/_dynamo/grad_sync.py": (
