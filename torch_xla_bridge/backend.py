@@ -49,11 +49,11 @@ def openxla_fused_grad(
     AccumulateGrad node, covering the ``.grad`` of every leaf those graphs feed.
     """
     require_torch_xla()
-    from . import dynamo_bridge, spmd
+    from . import dynamo_bridge
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
     return aot_autograd(
-        fw_compiler=spmd.compile_upstream,
+        fw_compiler=dynamo_bridge.compile_upstream,
         bw_compiler=dynamo_bridge.compile_deferred_backward,
     )(gm, example_inputs, **kwargs)
 

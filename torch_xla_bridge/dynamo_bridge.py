@@ -204,7 +204,7 @@ class DeferredGraph:
         if self._upstream is None:
             # Upstream's bridge partitions the graph module in place; keep ours
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
-            self._upstream = _compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
+            self._upstream = compile_upstream(copy.deepcopy(self.gm), self.example_inputs)
         return self._upstream(args)
 
     def _lower(self, args: Sequence[Any]) -> Union[_LoweredGraph, str]:
@@ -289,12 +289,39 @@ class DeferredGraph:
         return None
 
 
-def _compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+def compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
     """Upstream ``openxla``'s unfused compiled function for ``gm``; called with one list (boxed).
 
-    Under SPMD its input-sharding check never expires (see :mod:`torch_xla_bridge.spmd`).
+    Used for every graph that is not deferred (``openxla_fused_grad``'s
+    forwards and compiled optimizer steps, fallbacks). Under SPMD its
+    input-sharding check never expires (see :mod:`torch_xla_bridge.spmd`).
     """
-    return spmd.compile_upstream(gm, example_inputs)
+    return _inputs_synced_first(spmd.compile_upstream(gm, example_inputs))
+
+
+def _inputs_synced_first(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
+    """``compiled``, with its pending inputs synced first without donating their buffers.
+
+    Upstream's bridge syncs a graph's pending inputs (e.g. ``.grad`` that
+    ``clip_grad_norm_`` scaled) with buffer donation before running it, and
+    deletes buffers that other pending IR (the norm it returned) still reads;
+    syncing them here first, as :func:`grad_sync.sync` does, leaves upstream's
+    sync nothing to do. Counted under upstream's own counter for such syncs.
+    """
+
+    def run_with_inputs_synced(args: list) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors:
+            need = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+            pending = [t for t, n in zip(tensors, need) if n]
+            if pending:
+                torch_xla._XLAC._xla_increment_counter("DynamoSyncInputExecuteTime", 1)
+                # Blocking, as upstream's: its bridge reads the inputs' buffers next.
+                grad_sync.sync(pending, wait=True)
+        return compiled(args)
+
+    run_with_inputs_synced._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd: one list argument
+    return run_with_inputs_synced
 
 
 class DeferredBackward(DeferredGraph):

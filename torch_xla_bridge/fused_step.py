@@ -36,6 +36,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 from .backend import STEP_BACKEND_NAME as BACKEND_NAME
+from . import grad_sync
 from .dynamo_bridge import DeferredBackward, DeferredGraph
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class DeferredForward(DeferredGraph):
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
         if self.pair.unfused_reason is not None:
-            torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=False, sync_xla_data=True)
+            grad_sync.sync(pending)
         else:
             self.pair.launches_at_forward = _launches()
 

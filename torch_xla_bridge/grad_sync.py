@@ -72,20 +72,31 @@ class _BackwardPass:
                 tensors[id(t)] = t
         return list(tensors.values())
 
-    def sync(self) -> None:
+    def end_of_backward(self) -> None:
         """The engine callback: exactly one sync per backward pass."""
         tensors = self.tensors_to_sync()
         self.nodes.clear()
         self.outputs.clear()
         torch_xla._XLAC._xla_increment_counter(SYNC_COUNTER, 1)
-        _sync(tensors)
-
-
-def _sync(tensors: list[torch.Tensor]) -> None:
-    if tensors:
         # Asynchronous: the host goes on tracing (the optimizer, the next step)
         # while the device runs backward + accumulation; readers wait as usual.
-        torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False, sync_xla_data=True)
+        sync(tensors)
+
+
+def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False) -> None:
+    """Materializes ``tensors`` in one execution, donating none of their old buffers.
+
+    The one place the package syncs a set of tensors. With
+    ``sync_xla_data=True`` torch_xla would donate each synced tensor's current
+    buffer to its new value (buffer aliasing), which is only safe at a step
+    barrier, where every live tensor is synced: here other pending IR may
+    still read an old ``.grad`` (an eager optimizer's lazy update, a logged
+    ``p.grad.norm()``, ``clip_grad_norm_``'s total), and its execution would
+    find the buffer deleted. ``sync_xla_data=False`` still replaces each
+    tensor's IR by device data; the old buffer is freed with its last reader.
+    """
+    if tensors:
+        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=False)
 
 
 # Keyed by the engine's graph-task id; values die with the task (see module docstring).
@@ -101,13 +112,13 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
     """
     task_id = torch._C._current_graph_task_id()
     if task_id < 0:
-        _sync(list(outputs))
+        sync(outputs)
         return
     state = _passes.get(task_id)
     if state is None:
         state = _BackwardPass()
         _passes[task_id] = state
-        torch.autograd.Variable._execution_engine.queue_callback(state.sync)
+        torch.autograd.Variable._execution_engine.queue_callback(state.end_of_backward)
     state.add(torch._C._current_autograd_node(), outputs)
 
 

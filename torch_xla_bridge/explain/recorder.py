@@ -83,6 +83,7 @@ _BRIDGE_FILE = os.path.join("torch_xla", "_dynamo", "dynamo_bridge.py")
 _GRAD_SYNC_FILE = os.path.realpath(grad_sync.__file__)
 # The openxla_fused_step backend's step cut and its unfused forward, by file and function.
 _FUSED_STEP_FILE = os.path.join(os.path.dirname(_GRAD_SYNC_FILE), "fused_step.py")
+_OUR_BRIDGE_FILE = os.path.join(os.path.dirname(_GRAD_SYNC_FILE), "dynamo_bridge.py")
 
 _active: Optional["Explainer"] = None
 
@@ -275,7 +276,7 @@ class Explainer:
             return Cause.MARK_STEP, "xm.mark_step() / torch_xla.sync()", None
         # _xla_sync_multi(tensors, devices, wait, sync_xla_data)
         tensors = list(args[0] if args else kwargs.get("tensors", []))
-        if any(os.path.realpath(f) == _GRAD_SYNC_FILE for f, _ in files):
+        if any(fn == "end_of_backward" and os.path.realpath(f) == _GRAD_SYNC_FILE for f, fn in files):
             return (
                 Cause.BACKWARD,
                 f"deferred backward + .grad accumulation: {len(tensors)} tensors, one sync at "
@@ -291,7 +292,12 @@ class Explainer:
         pending = [t for t, p in zip(tensors, _needs_materialization(tensors)) if p]
         ir = torch_xla._XLAC._get_xla_tensors_text(pending) if pending else None
         grads = self._grads_among(pending)
-        from_bridge = any(f.endswith(_BRIDGE_FILE) and fn == "optimized_mod" for f, fn in files)
+        # Upstream's bridge, or ours syncing the same inputs first (without buffer donation).
+        from_bridge = any(
+            (f.endswith(_BRIDGE_FILE) and fn == "optimized_mod")
+            or (fn == "run_with_inputs_synced" and os.path.realpath(f) == _OUR_BRIDGE_FILE)
+            for f, fn in files
+        )
         if from_bridge and grads:
             return (
                 Cause.GRAD_ACCUMULATION,
