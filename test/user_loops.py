@@ -46,6 +46,7 @@ class Run:
         else:
             self.device = torch.device("cpu")
         self.per_iteration: list[int] = []
+        self.errors: list[str] = []
         self._mark = self.executions()
         self.caught = warnings.catch_warnings(record=True)
         self.warnings = self.caught.__enter__()
@@ -74,13 +75,13 @@ class Run:
         self.per_iteration.append(now - self._mark)
         self._mark = self.executions()
 
-    def record(self, models: dict[str, nn.Module], **extra: Any) -> Record:
+    def record(self, models: dict[str, nn.Module], values: Any, **extra: Any) -> Record:
         self.caught.__exit__(None, None, None)
         params = {
             f"{m}.{k}": v.detach().cpu().tolist() for m, model in models.items() for k, v in model.state_dict().items()
         }
         ours = [str(w.message) for w in self.warnings if "openxla_fused" in str(w.message)]
-        return dict(params=params, executions=self.per_iteration, warnings=ours, **extra)
+        return dict(params=params, values=values, executions=self.per_iteration, warnings=ours, **extra)
 
 
 def _data(seed: int, *shape: int) -> torch.Tensor:
@@ -117,7 +118,7 @@ def gan(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
         r.sync()
         losses.append([loss_d.item(), loss_g.item()])
         r.end_iteration()
-    return r.record({"G": G, "D": D}, losses=losses)
+    return r.record({"G": G, "D": D}, values=losses)
 
 
 @loop
@@ -140,7 +141,7 @@ def accumulation_with_grad_norms(backend: Optional[str], device: str = "xla", st
         r.sync()
         logged.append(torch.stack(norms).cpu().tolist())
         r.end_iteration()
-    return r.record({"model": model}, logged=logged)
+    return r.record({"model": model}, values=logged)
 
 
 def _clip(backend: Optional[str], device: str, steps: int, set_to_none: bool) -> Record:
@@ -158,7 +159,7 @@ def _clip(backend: Optional[str], device: str, steps: int, set_to_none: bool) ->
         step()
         norms.append(total.item())  # read after the step: no sync of its own
         r.end_iteration()
-    return r.record({"model": model}, norms=norms)
+    return r.record({"model": model}, values=norms)
 
 
 @loop
@@ -171,6 +172,151 @@ def clip_compiled_optimizer(backend: Optional[str], device: str = "xla", steps: 
 def clip_compiled_optimizer_set_to_none(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
     """As :func:`clip_compiled_optimizer`, with ``zero_grad(set_to_none=True)``."""
     return _clip(backend, device, steps, set_to_none=True)
+
+
+class _Counting(nn.Module):
+    """A module that updates a buffer in place and returns a view of its input beside the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls.add_(1)
+        h = self.lin(x)
+        self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return torch.tanh(h), x[:, :4]
+
+
+@loop
+def input_mutations(backend: Optional[str], device: str = "xla", steps: int = 3) -> Record:
+    """Graphs that write into their inputs (``copy_``, in-place ops) or return them (aliased outputs)."""
+    r = Run(backend, device)
+
+    def copy_into(a: torch.Tensor) -> torch.Tensor:
+        torch.ops.aten.copy_.default(a, a.cos())
+        return a * 2
+
+    def in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.add_(b)
+        b.mul_(0.5)
+        return a + b
+
+    def aliased(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return a, a.view(2, 2), a.sin()
+
+    fns = [r.compile(copy_into), r.compile(in_place), r.compile(aliased)]
+    a, b, c = (_data(s, 4).to(r.device) for s in (1, 2, 3))
+    torch.manual_seed(0)
+    model = _Counting().to(r.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fwd = r.compile(model)
+    seen = []
+    for i in range(steps):
+        x = _data(50 + i, 4, 8).to(r.device)
+        y, head = fwd(x)
+        (y.square().mean() + head.sum() * 0).backward()
+        opt.step()
+        opt.zero_grad()
+        outs = [fns[0](a), fns[1](b, c), *fns[2](a)]
+        r.sync()
+        seen.append([o.cpu().tolist() for o in outs] + [t.cpu().tolist() for t in (a, b, c)])
+        r.end_iteration()
+    return r.record({"model": model}, values=seen)
+
+
+@loop
+def item_after_eager_step(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
+    """An accelerate-style loop: eager AdamW, ``loss.item()`` after ``optimizer.step()``, no sync; then the model is read."""
+    r = Run(backend, device)
+    model = _mlp(16, 32, 4, seed=5).to(r.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fwd = r.compile(model)
+    losses = []
+    for i in range(steps):
+        loss = F.mse_loss(fwd(_data(i, 8, 16).to(r.device)), _data(700 + i, 8, 4).to(r.device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        r.end_iteration()
+    before = r.executions()
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    model.cpu()
+    read_after = r.executions() - before
+    return r.record({"model": model}, values=losses, read_after_training=read_after, n_state=len(state))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+@loop
+def checkpointed_blocks(backend: Optional[str], device: str = "xla", steps: int = 4) -> Record:
+    """Activation checkpointing around blocks compiled one by one (the forward runs under no_grad).
+
+    On XLA users take torch_xla's checkpoint (torch's cannot save XLA's RNG
+    state); it is reentrant only, so the input requires grad.
+    """
+    if device == "xla":
+        from torch_xla.utils.checkpoint import checkpoint
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+    r = Run(backend, device)
+    torch.manual_seed(6)
+    blocks = nn.ModuleList(_Block(16) for _ in range(3)).to(r.device)
+    head = nn.Linear(16, 4).to(r.device)
+    opt = torch.optim.SGD(list(blocks.parameters()) + list(head.parameters()), lr=0.05, momentum=0.9)
+    compiled = [r.compile(b) for b in blocks]  # each block compiled on its own
+    losses = []
+    for i in range(steps):
+        h = _data(i, 8, 16).to(r.device).requires_grad_()
+        for blk in compiled:
+            h = checkpoint(blk, h, use_reentrant=True)
+        loss = F.mse_loss(head(h), _data(300 + i, 8, 4).to(r.device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        r.sync()
+        losses.append(loss.item())
+        r.end_iteration()
+    return r.record({"blocks": blocks, "head": head}, values=losses)
+
+
+@loop
+def bad_input_then_continue(backend: Optional[str], device: str = "xla", steps: int = 6) -> Record:
+    """A step fed a wrong dtype (f64) or a wrong shape raises; the user catches it and trains on."""
+    r = Run(backend, device)
+    model = _mlp(16, 32, 4, seed=7).to(r.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fwd = r.compile(model)
+    values: list[Any] = []
+    for i in range(steps):
+        x = _data(i, 8, 16)
+        if i == 2:
+            x = x.double()
+        elif i == 4:
+            x = x[:, :12]
+        try:
+            loss = F.mse_loss(fwd(x.to(r.device)), _data(900 + i, 8, 4).to(r.device))
+            loss.backward()
+            opt.step()
+            r.sync()
+            values.append(loss.item())
+        except (RuntimeError, ValueError) as e:  # upstream raises XLA's ValueError
+            values.append(-1.0)
+            r.errors.append(str(e).splitlines()[0][:200])
+        opt.zero_grad()
+        r.end_iteration()
+    return r.record({"model": model}, values=values, errors=r.errors)
 
 
 def main(argv: list[str]) -> None:

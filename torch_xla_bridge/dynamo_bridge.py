@@ -37,6 +37,9 @@ from .backend import BACKEND_NAME
 log = logging.getLogger(__name__)
 
 _USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
+# A torch_xla counter bumped by every compile that only validates a new lowering (see
+# DeferredGraph._validate): it shows in UncachedCompile but launches nothing.
+VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 
 
 def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
@@ -153,10 +156,19 @@ class DeferredGraph:
     # Finishes the fallback warning: what the user loses when this graph runs unfused.
     unfused_effect = "it runs as an XLA execution of its own"
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        backend: str = BACKEND_NAME,
+        validate: bool = False,
+    ) -> None:
         self.gm = gm
         self.example_inputs = example_inputs
         self.backend = backend
+        # Compile each new lowering on its own at its first call, so that a graph XLA
+        # rejects fails there, not later inside a larger execution (see _validate).
+        self.validate = validate
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         # Per signature: the lowered graph, or why it cannot be lowered (so the
         # probe runs once per signature, not once per call).
@@ -174,16 +186,43 @@ class DeferredGraph:
         if reason is None:
             key = self._signature(args)
             lowered = self._lowered.get(key)
-            if lowered is None:
+            new = lowered is None
+            if new:
                 lowered = self._lowered[key] = self._lower(args)
             if isinstance(lowered, str):
                 reason = lowered
             else:
                 outs, pending = lowered(args)
+                if new and self.validate:
+                    self._validate(key, pending, args)
                 args.clear()
                 self._deferred(pending)
                 return outs
         return self._run_upstream(args, reason)
+
+    def _validate(self, key: _Signature, pending: list[torch.Tensor], args: Sequence[Any]) -> None:
+        """Compiles this call's pending outputs without executing them; raises what XLA rejects.
+
+        Deferred work runs later, inside an execution that also updates
+        parameters, ``.grad`` and optimizer state; torch_xla drops the IR of
+        every tensor it syncs before compiling, so a graph rejected there
+        (e.g. mixed precision from an f64 input into an f32 model) would leave
+        them without values. Compiling the new lowering on its own first (once
+        per input signature, at warm-up) raises at this call instead, with
+        nothing else changed; the signature is not cached, so a corrected
+        input goes on training.
+        """
+        torch_xla._XLAC._xla_increment_counter(VALIDATION_COUNTER, 1)
+        try:
+            torch_xla._XLAC._xla_warm_up_cache(pending, [])
+        except Exception as e:
+            del self._lowered[key]
+            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if isinstance(a, torch.Tensor))
+            raise RuntimeError(
+                f"{self.backend}: XLA cannot compile this {self.kind} graph for its inputs ({shapes}): {e}\n"
+                f"Check the inputs' dtypes and shapes against the model's (e.g. `x.float()` for an f32 "
+                f"model). Nothing ran: parameters, .grad and optimizer state are as before this call."
+            ) from e
 
     def _mode_reason(self) -> Optional[str]:
         """Why this call must run through upstream, if the calling context forbids deferring."""
@@ -219,7 +258,7 @@ class DeferredGraph:
                 xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
                 for a in args
             ]
-            traced = self.gm(*placeholders)
+            traced = self.gm(*_fresh_handles(placeholders))
             traced = list(traced) if isinstance(traced, (list, tuple)) else [traced]
             out_tensors: list[torch.Tensor] = []
             outputs: list[tuple[bool, Any]] = []
@@ -273,7 +312,7 @@ class DeferredGraph:
         xm.wait_device_ops()
         executions_before = _execution_count()
         with torch.no_grad(), eager_mode_context(False):
-            outs = self.gm(*args)
+            outs = self.gm(*_fresh_handles(args))
         flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         del outs
         fallbacks = sorted(
@@ -287,6 +326,19 @@ class DeferredGraph:
         if non_xla:
             return f"it produces a tensor on {non_xla[0].device}"
         return None
+
+
+def _fresh_handles(args: Sequence[Any]) -> list[Any]:
+    """``args`` with each tensor replaced by a new tensor on the same data (no op, no execution).
+
+    torch_xla's ``aten.copy`` (the functional op AOTAutograd writes for
+    ``copy_``) updates its first argument in place. Tracing a graph on the
+    caller's tensors would then change them: a real input would take the
+    copied value (the probe), and a placeholder would hold IR instead of its
+    data, so the lowering could not map it to its HLO parameter and would
+    feed the empty placeholder as a constant (a crash inside PJRT's execute).
+    """
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
@@ -341,8 +393,9 @@ class DeferredBackward(DeferredGraph):
         example_inputs: Sequence[Any],
         backend: str = BACKEND_NAME,
         sync_at_end: bool = True,
+        validate: bool = False,
     ) -> None:
-        super().__init__(gm, example_inputs, backend)
+        super().__init__(gm, example_inputs, backend, validate)
         self.sync_at_end = sync_at_end
 
     def _mode_reason(self) -> Optional[str]:

@@ -7,20 +7,29 @@ engine's ``.grad`` accumulation and an eager optimizer's updates are lazy ops
 on top. Nothing executes until the step is cut, and then everything pending
 runs as one XLA execution, cached after warm-up.
 
-The step is cut:
+The step is cut (torch_xla's step barrier, which materializes every live tensor):
 
+- when an optimizer step ends, eager (a global optimizer step post-hook) or
+  compiled with this backend (the graph that updates the parameters joins the
+  step, then cuts it; after each such graph, where dynamo splits an optimizer
+  step into several), so ``loss.item()`` after ``optimizer.step()`` and a model
+  read after training execute nothing;
 - at ``torch_xla.sync()`` / ``xm.mark_step()``, as with any lazy tensor;
-- after a compiled graph that needs no backward (a compiled ``optimizer.step``,
-  an evaluation forward): the graph joins the step, then the step is synced
-  (after each such graph, where dynamo splits an optimizer step into several);
-- before a forward whose parameters hold pending updates (an eager optimizer
-  and no ``torch_xla.sync()``): the previous step is synced first, so one step
-  never grows into the next;
-- at a read of a value (``.item()``, ``.cpu()``, ``print``), which executes
-  what that value needs. A read between a forward and the step's cut
-  computes the forward twice (once for the read, once in the step); a graph
-  where an execution is seen there is switched to ``openxla_fused_grad``
-  behaviour (its forward executes on its own), with one warning.
+- before a forward whose parameters hold pending updates (e.g. parameters
+  updated by hand, no sync): the previous step is synced first, so one step
+  never grows into the next.
+
+A graph that needs no backward and updates no parameter (an evaluation
+forward, a checkpointed block's forward under ``no_grad``) joins an open step;
+outside one it executes its own outputs at once, as upstream does.
+
+A read of a value (``.item()``, ``.cpu()``, ``print``) executes what that value
+needs. A read between a forward and the step's cut computes the forward twice
+(once for the read, once in the step); a graph where that is seen is switched
+to ``openxla_fused_grad`` behaviour (its forward executes on its own), with one
+warning naming where the read happened. A step cut between a forward and its
+backward (another model's optimizer step in a GAN) materializes the forward's
+outputs and costs nothing twice: it is not such a read.
 """
 
 from __future__ import annotations
@@ -28,16 +37,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .backend import STEP_BACKEND_NAME as BACKEND_NAME
 from . import grad_sync
-from .dynamo_bridge import DeferredBackward, DeferredGraph
+from .backend import STEP_BACKEND_NAME as BACKEND_NAME
+from .dynamo_bridge import VALIDATION_COUNTER, DeferredBackward, DeferredGraph
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +70,31 @@ def _launches() -> int:
     ``ExecuteTime`` these counters are exact the moment the sync returns, and
     reading them costs well under a microsecond. Upstream's bridge clears
     counters while it compiles a graph; a count that drops then can only hide
-    a launch from the checks below, never invent one.
+    a launch from the checks below, never invent one. Compiles that only
+    validate a new lowering launch nothing and are not counted.
     """
-    return (met.counter_value("UncachedCompile") or 0) + (met.counter_value("CachedCompile") or 0)
+    compiles = (met.counter_value("UncachedCompile") or 0) + (met.counter_value("CachedCompile") or 0)
+    return compiles - (met.counter_value(VALIDATION_COUNTER) or 0)
 
 
 @dataclasses.dataclass
 class _Pair:
     """State shared by the forward and backward graphs of one AOTAutograd compilation.
 
-    ``launches_at_forward`` / ``launches_at_backward``: :func:`_launches` right
-    after the latest deferred forward / the step's first backward. An
-    execution of pending IR between a forward and its backward, or between the
-    backward and the step's cut, most likely read the forward's outputs, and
-    then the step computes the forward a second time.
-    ``unfused_reason``: set once that was seen; the forward then executes its
-    outputs at once instead.
+    ``launches_at_forward`` / ``forward_outputs``: :func:`_launches` right
+    after the latest deferred forward, and its pending outputs (weakly). If,
+    at the backward, an execution ran since then and some of those outputs
+    are still pending, a read executed part of the forward, and the step will
+    compute it again. ``launches_at_backward``: :func:`_launches` right after
+    the step's first backward; more than one execution between it and the
+    step's cut means a read there. ``unfused_reason``: set once either was
+    seen; the forward then executes its outputs at once instead.
     """
 
     launches_at_forward: Optional[int] = None
+    forward_outputs: list[weakref.ref[torch.Tensor]] = dataclasses.field(default_factory=list)
     launches_at_backward: Optional[int] = None
     unfused_reason: Optional[str] = None
-    # At most one step closure queued per pair, even if no step is ever cut.
-    closure_queued: bool = False
 
     def unfuse(self, reason: str) -> None:
         """Switches the forward to executing on its own; warns once."""
@@ -95,9 +108,16 @@ class _Pair:
             f"torch_xla.sync() to keep one execution per step."
         )
 
+    def forward_was_read(self) -> bool:
+        """At the backward: an execution since the forward left some of its outputs pending."""
+        if self.launches_at_forward is None or _launches() == self.launches_at_forward:
+            return False
+        alive = [t for t in (r() for r in self.forward_outputs) if t is not None]
+        # A step cut materializes every live output; a read materializes only what it reads.
+        return bool(alive) and any(torch_xla._XLAC._check_tensor_need_materialization(alive))
+
     def at_step_end(self) -> None:
-        """A step closure: the cut is one execution; any other since the backward was a read."""
-        self.closure_queued = False
+        """At the step's cut: the cut is one execution; any other since the backward was a read."""
         if self.launches_at_backward is not None and _launches() - self.launches_at_backward > 1:
             self.unfuse("a value was read (an XLA execution ran) between its backward and the end of the step")
         self.launches_at_backward = None
@@ -112,9 +132,77 @@ class _Pair:
         self.launches_at_backward = None
 
 
+class _Step:
+    """A step of this backend that is pending: graphs deferred since the last cut.
+
+    Strongly referenced only by its step closure, which torch_xla runs and
+    drops at the next step barrier (``torch_xla.sync()``, our cuts): so
+    :data:`_open` holds it exactly while the step is pending, and nothing of
+    it outlives the cut.
+    """
+
+    __slots__ = ("pairs", "__weakref__")
+
+    def __init__(self) -> None:
+        # Pairs whose backward joined this step, by identity.
+        self.pairs: dict[int, _Pair] = {}
+
+    def at_step_end(self) -> None:
+        for pair in self.pairs.values():
+            pair.at_step_end()
+
+
+# The pending step, if any (at most one member; see _Step).
+_open: weakref.WeakSet[_Step] = weakref.WeakSet()
+
+
+def _current_step() -> _Step:
+    """The pending step, opened (its step closure queued) if there is none."""
+    for step in _open:
+        return step
+    step = _Step()
+    _open.add(step)
+    xm.add_step_closure(step.at_step_end)
+    return step
+
+
+def _cut_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: an optimizer step ends the pending step of this backend.
+
+    A no-op while dynamo traces (a compiled ``optimizer.step`` cuts in its own
+    graph) and when no step of this backend is pending, so optimizers trained
+    with other backends, or none, are not affected.
+    """
+    if torch.compiler.is_compiling():
+        return
+    if _open:
+        end_step()
+
+
+_optimizer_hook: Optional[torch.utils.hooks.RemovableHandle] = None
+
+
+def _register_optimizer_hook() -> None:
+    """Registers :func:`_cut_after_optimizer_step` once per process."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(_cut_after_optimizer_step)
+
+
 def _pending_parameters(args: Sequence[Any]) -> bool:
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad]
-    return any(torch_xla._XLAC._check_tensor_need_materialization(leaves)) if leaves else False
+    # Parameters only: a checkpointed block's recomputation gets its input as a
+    # detached leaf that requires grad and is pending, which is no update.
+    params = [a for a in args if isinstance(a, torch.nn.Parameter)]
+    return any(torch_xla._XLAC._check_tensor_need_materialization(params)) if params else False
+
+
+def _in_training(args: Sequence[Any]) -> bool:
+    """An input other than a parameter requires grad: the caller differentiates through it.
+
+    So a graph compiled without a backward (its forward ran under no_grad) is
+    part of a training step: a checkpointed block, whose backward recomputes it.
+    """
+    return any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter) for a in args)
 
 
 class DeferredForward(DeferredGraph):
@@ -128,7 +216,7 @@ class DeferredForward(DeferredGraph):
     unfused_effect = "it executes on its own; backward, accumulation and optimizer stay fused"
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pair: _Pair) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME)
+        super().__init__(gm, example_inputs, BACKEND_NAME, validate=True)
         self.pair = pair
 
     def __call__(self, args: list) -> Any:
@@ -141,63 +229,92 @@ class DeferredForward(DeferredGraph):
     def _deferred(self, pending: list[torch.Tensor]) -> None:
         if self.pair.unfused_reason is not None:
             grad_sync.sync(pending)
-        else:
-            self.pair.launches_at_forward = _launches()
+            return
+        _current_step()
+        self.pair.launches_at_forward = _launches()
+        self.pair.forward_outputs = [weakref.ref(t) for t in pending]
 
 
 class StepBackward(DeferredBackward):
     """The backward of a fused step: deferred, synced by the step's cut, never at the end of the pass.
 
-    It watches for executions between its forward and itself, and between
-    itself and the step's cut (a step closure); if any ran, the forward is
+    It watches for reads between its forward and itself, and between itself
+    and the step's cut (its step's closure); if one happened, the forward is
     switched to executing on its own from the next call on, with one warning.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pair: _Pair) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME, sync_at_end=False)
+        super().__init__(gm, example_inputs, BACKEND_NAME, sync_at_end=False, validate=True)
         self.pair = pair
 
     def __call__(self, args: list) -> Any:
         pair = self.pair
-        if pair.launches_at_forward is not None and _launches() > pair.launches_at_forward:
+        if pair.forward_was_read():
             pair.unfuse("a value was read (an XLA execution ran) between its forward and backward")
         pair.launches_at_forward = None
+        pair.forward_outputs = []
         outs = super().__call__(args)
         if pair.unfused_reason is None and pair.launches_at_backward is None:
             pair.launches_at_backward = _launches()
-            if not pair.closure_queued:
-                pair.closure_queued = True
-                xm.add_step_closure(pair.at_step_end)
+            _current_step().pairs[id(pair)] = pair
         return outs
 
 
 class StepEndGraph(DeferredGraph):
-    """A graph that needs no backward (e.g. ``optimizer.step``): it joins the step, then ends it.
+    """A graph that needs no backward: an optimizer step joins the step and ends it; others join it.
 
-    Invariant: exactly one :func:`end_step` per call, after the graph's own
-    work is part of the pending step (fused) or before it runs (upstream path,
-    so that upstream's own input sync finds nothing left to run).
+    Invariant: a graph that updates parameters in place (a compiled
+    ``optimizer.step``) makes exactly one :func:`end_step` per call, after its
+    own work is part of the pending step (fused) or before it runs (upstream
+    path, so that upstream's own input sync finds nothing left to run). Any
+    other such graph joins a pending step of this backend, or, with none
+    pending, executes its own outputs (and nothing else) at once. One whose
+    inputs carry autograd history opens the step (see :func:`_in_training`).
     """
 
     kind = "no-backward"
     unfused_effect = "the step is synced before it, and it executes on its own"
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME)
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], updates_parameters: bool) -> None:
+        super().__init__(gm, example_inputs, BACKEND_NAME, validate=True)
+        self.updates_parameters = updates_parameters
+
+    def __call__(self, args: list) -> Any:
+        if not self.updates_parameters and _in_training(args):
+            _current_step()
+        return super().__call__(args)
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
-        end_step()
+        if self.updates_parameters:
+            end_step()
+        elif not _open:
+            grad_sync.sync(pending)
 
     def _run_upstream(self, args: list, reason: str) -> Any:
         end_step()
         return super()._run_upstream(args, reason)
 
 
+def _updates_parameters() -> bool:
+    """While AOTAutograd compiles an inference graph: whether it writes into a tensor that requires grad.
+
+    Read from AOTAutograd's metadata for the graph being compiled; where that
+    is unavailable, assume it does (the graph then cuts the step, as an
+    optimizer step must).
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    if meta is None:
+        return True
+    return any(info.mutates_data and info.requires_grad for info in meta.input_info)
+
+
 def compilers() -> dict[str, Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[[list], Any]]]:
     """The forward, backward and inference compilers for one AOTAutograd compilation."""
+    _register_optimizer_hook()
     pair = _Pair()
     return dict(
         fw_compiler=lambda gm, example_inputs: DeferredForward(gm, example_inputs, pair),
         bw_compiler=lambda gm, example_inputs: StepBackward(gm, example_inputs, pair),
-        inference_compiler=StepEndGraph,
+        inference_compiler=lambda gm, example_inputs: StepEndGraph(gm, example_inputs, _updates_parameters()),
     )
