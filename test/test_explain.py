@@ -17,7 +17,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla_bridge
 from torch_xla_bridge.explain import Cause, autograd_graph, explain, format_text, print_report, run_script
 from torch_xla_bridge.explain.__main__ import parse_args
-from xla_helpers import FUSED, UPSTREAM, TinyTransformer, device, mlp, mlp_task, train
+from xla_helpers import FUSED, FUSED_STEP, UPSTREAM, TinyTransformer, device, executions, mlp, mlp_task, train
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "original_report.py"
@@ -68,7 +68,10 @@ def test_fused_loop_has_nothing_avoidable_and_steps_stop_on_request():
     assert not any(e.avoidable for e in all_executions(report))
     backward = [e for e in all_executions(report) if e.cause is B]
     assert len(backward) == report.metrics["OpenxlaFusedGradSync"] == 3
-    assert report.verdict() == "3 executions per step (steps 2-3); none avoidable (forward, backward, optimizer)"
+    assert report.verdict() == (
+        "3 executions per step (steps 2-3); none avoidable (forward, backward, optimizer); "
+        "predicted per step: openxla_fused_grad 3, openxla_fused_step 1"
+    )
 
 
 def test_original_report_under_the_fused_backend_shows_nothing_avoidable():
@@ -80,7 +83,10 @@ def test_original_report_under_the_fused_backend_shows_nothing_avoidable():
     assert report.total == report.metrics["ExecuteTime"] == 12
     text = format_text(report)
     assert text.count("deferred backward + .grad accumulation:") == 4
-    assert text.rstrip().endswith("verdict: 3 executions per step (steps 2-4); none avoidable (forward, backward, optimizer)")
+    assert text.rstrip().endswith(
+        "verdict: 3 executions per step (steps 2-4); none avoidable (forward, backward, optimizer); "
+        "predicted per step: openxla_fused_grad 3, openxla_fused_step 1"
+    )
     rich_out = io.StringIO()
     print_report(report, file=rich_out)
     assert "step 4: 3 executions" in rich_out.getvalue() and "none avoidable" in rich_out.getvalue()
@@ -220,3 +226,35 @@ def test_autograd_graph_renders_png(tmp_path):
     graph = autograd_graph(F.mse_loss(model(torch.randn(2, 16)), torch.randn(2, 4)), model)
     path = graph.render(str(tmp_path / "g.png"))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fresh_inputs_loop(backend: str, steps: int = 3) -> list[int]:
+    """Batches drawn on the device (pending inputs), zero_grad(set_to_none=False), compiled SGD."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fwd = torch.compile(lambda x, y: F.mse_loss(model(x), y), backend=backend)
+    step = torch.compile(opt.step, backend=backend)
+    per_step = []
+    for _ in range(steps):
+        before = executions()
+        opt.zero_grad(set_to_none=False)
+        fwd(torch.randn(8, 16, device=device()), torch.randn(8, 4, device=device())).backward()
+        step()
+        per_step.append(executions() - before)
+    return per_step
+
+
+def test_verdict_predicts_what_each_backend_runs():
+    """The forward's input sync stays under openxla_fused_grad; the prediction matches each backend's run."""
+    with explain() as ex:
+        ran = _fresh_inputs_loop(UPSTREAM)
+    report = ex.report
+    assert report.steps[-1].total == ran[-1] == 6
+    first_sync = report.steps[-1].executions[0]
+    assert first_sync.cause is Cause.INPUT_SYNC and not first_sync.in_backward and not first_sync.avoidable
+    fused_grad, fused_step = _fresh_inputs_loop(FUSED)[-1], _fresh_inputs_loop(FUSED_STEP)[-1]
+    assert (fused_grad, fused_step) == (4, 1)
+    assert report.verdict().endswith(
+        f"predicted per step: openxla_fused_grad {fused_grad}, openxla_fused_step {fused_step}"
+    )

@@ -123,12 +123,75 @@ def test_model_on_cpu_is_a_clear_error():
 
 
 @pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
-def test_input_on_cpu_is_a_clear_error(backend):
-    model = mlp().to(device())
-    # A CPU input that reaches the backend (dynamo itself rejects an op mixing
-    # CPU and XLA operands earlier, naming both devices).
+def test_data_input_on_cpu_trains_like_upstream(backend):
+    """A CPU batch moved inside the graph: upstream warns and runs it; so do we, correctly."""
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
     dev = device()
     compiled = torch.compile(lambda x: model(x.to(dev)), backend=backend)
-    with pytest.raises(Exception, match=rf"backend='{backend}': graph input 'l_x_' \(shape \(8, 16\).*is on device cpu"):
-        compiled(torch.randn(8, 16))
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+    messages = [str(w.message) for w in caught]
+    assert any("Found tensor with shape torch.Size([8, 16]) on cpu" in m for m in messages), messages
+    cpu_model(x).square().mean().backward()
+    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.cpu(), 2 * q.grad, rtol=1e-5, atol=1e-6)
+    if backend == FUSED:
+        # Only the forward meets the CPU input: the backward stays fused, no .grad left pending.
+        assert not any(pending([p.grad for p in model.parameters()]))
+        assert not any(backend in m for m in messages), messages
+    else:
+        ours = [m for m in messages if backend in m]
+        assert len(ours) == 1 and "is on cpu, not on an XLA device" in ours[0], ours
 
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_inference_graph_on_cpu_runs_like_upstream(backend):
+    """All inputs on the CPU (as in upstream's own bridge tests): upstream's warning and result."""
+    f = torch.compile(lambda a, b: a @ b + 1, backend=backend)
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(a, b)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, a @ b + 1)
+    assert any("on cpu. Please move all tensors to xla device" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_parameter_on_cpu_is_a_clear_error(backend):
+    """A parameter left on the CPU beside XLA ones: upstream would train it on the CPU, silently."""
+    model = mlp().to(device())
+    bias = torch.zeros(4, requires_grad=True)
+    compiled = torch.compile(lambda x, b: model(x) + b.to(x.device), backend=backend)
+    with pytest.raises(Exception, match=rf"backend='{backend}': graph input 'l_b_' \(shape \(4,\).*requires grad\) is on device cpu"):
+        compiled(torch.randn(8, 16).to(device()), bias)
+
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_compiled_autograd_says_the_backward_is_not_fused(backend):
+    """Compiled autograd traces the backward itself: correct gradients, one warning naming it."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    model = copy.deepcopy(cpu_model).to(device())
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            # .sum(): with .mean() compiled autograd's graph gets a CPU scalar that upstream's
+            # bridge rejects ("Expected XLA tensor"), with upstream openxla too.
+            loss = compiled(x.to(device())).square().sum()
+            with compiled_autograd._enable(torch.compile(backend=backend)):
+                loss.backward()
+    ours = [str(w.message) for w in caught if backend in str(w.message)]
+    assert len(ours) == 1 and "compiled autograd is enabled" in ours[0], ours
+    cpu_model(x).square().sum().backward()
+    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.cpu(), 2 * q.grad, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,9 @@ when a graph is compiled.
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,6 +41,33 @@ def require_torch_xla(backend: str = BACKEND_NAME) -> None:
         ) from e
 
 
+def _compiled_autograd_graph(backend: str) -> bool:
+    """True while compiled autograd compiles its backward graph; says once per backend that it runs unfused.
+
+    That graph holds the whole backward and the ``.grad`` accumulation as
+    in-place updates; it reaches this backend as a graph without a backward
+    of its own, and runs through upstream ``openxla`` (correct; an input sync,
+    then the graph), not through the deferred backward.
+    """
+    from torch._dynamo import compiled_autograd
+
+    if not compiled_autograd.in_compiled_autograd_region:
+        return False
+    _warn_compiled_autograd_once(backend)
+    return True
+
+
+@functools.cache
+def _warn_compiled_autograd_once(backend: str) -> None:
+    warnings.warn(
+        f"{backend}: compiled autograd is enabled, so the backward pass (with its .grad accumulation) "
+        f"is traced by compiled autograd into one graph of its own, outside this backend's deferred "
+        f"backward: gradients are correct, but the backward runs unfused, as with upstream openxla "
+        f"(its pending inputs are synced in an execution of their own). Disable compiled autograd "
+        f"for this backend to fuse it."
+    )
+
+
 def openxla_fused_grad(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
 ) -> Callable[..., Any]:
@@ -52,6 +81,8 @@ def openxla_fused_grad(
     from . import dynamo_bridge
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
+    if _compiled_autograd_graph(BACKEND_NAME):
+        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream)(gm, example_inputs, **kwargs)
     return aot_autograd(
         fw_compiler=dynamo_bridge.compile_upstream,
         bw_compiler=dynamo_bridge.compile_deferred_backward,
@@ -71,6 +102,8 @@ def openxla_fused_step(
     from . import dynamo_bridge, fused_step
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs, STEP_BACKEND_NAME)
+    if _compiled_autograd_graph(STEP_BACKEND_NAME):
+        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream)(gm, example_inputs, **kwargs)
     return aot_autograd(**fused_step.compilers())(gm, example_inputs, **kwargs)
 
 

@@ -43,23 +43,39 @@ VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 
 
 def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
-    """Raises if a graph input that is not a CPU scalar lives off the XLA device.
+    """Raises if a graph input that requires grad lives off the XLA device.
 
-    0-dim CPU tensors are allowed: they act as scalars (optimizer step counts).
+    Such an input is a parameter (or a trained input) never moved to XLA:
+    upstream would train it on the CPU, silently. Other CPU inputs (data,
+    an inference graph's operands) are allowed: their graph runs unfused
+    through upstream, which warns and runs them as it does (see
+    :func:`_off_device_reason`).
     """
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     for i, t in enumerate(example_inputs):
-        if not isinstance(t, torch.Tensor) or t.device.type == "xla":
-            continue
-        if t.device.type == "cpu" and t.dim() == 0 and not t.requires_grad:
+        if not isinstance(t, torch.Tensor) or t.device.type == "xla" or not t.requires_grad:
             continue
         name = names[i] if i < len(names) else f"input {i}"
         raise RuntimeError(
             f"backend={backend!r}: graph input {name!r} (shape {tuple(t.shape)}, "
-            f"dtype {t.dtype}) is on device {t.device}, not on an XLA device. Move the "
-            f"model and its inputs to XLA first: `device = torch_xla.device()`, "
+            f"dtype {t.dtype}, requires grad) is on device {t.device}, not on an XLA device. "
+            f"Move the model and its inputs to XLA first: `device = torch_xla.device()`, "
             f"`model.to(device)`, `x = x.to(device)`."
         )
+
+
+def _off_device_reason(example_inputs: Sequence[Any]) -> Optional[str]:
+    """Why a graph with inputs off the XLA device cannot be deferred, if it has any.
+
+    0-dim CPU tensors act as scalars (optimizer step counts) and are lowered as such.
+    """
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "xla" and not (t.device.type == "cpu" and t.dim() == 0):
+            return (
+                f"an input (shape {tuple(t.shape)}) is on {t.device}, not on an XLA device; move inputs "
+                f"with `x.to(torch_xla.device())` to fuse it"
+            )
+    return None
 
 
 def compile_deferred_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], list]:
@@ -174,7 +190,7 @@ class DeferredGraph:
         # probe runs once per signature, not once per call).
         self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
-        self._static_reason = _unfusable_graph_reason(gm)
+        self._static_reason = _off_device_reason(example_inputs) or _unfusable_graph_reason(gm)
         self._random = _draws_random_numbers(gm)
         self._warned = False
         # AOTAutograd's calling convention: one list argument that we may clear.
@@ -435,13 +451,18 @@ def _in_aot_double_backward(max_depth: int = 12) -> bool:
 
     AOTAutograd then calls the backward graph from the forward of its
     ``CompiledFunctionBackward`` autograd.Function, where grad mode is off, so
-    grad mode cannot tell; the caller's frame can.
+    grad mode cannot tell; the caller's frame can: that ``forward(double_ctx,
+    *unused_args)`` is the only function named ``forward`` whose first
+    argument is ``double_ctx`` (torch 2.9's runtime_wrappers.py). Read from
+    ``co_name`` and ``co_varnames``, which Python 3.10 has (``co_qualname``
+    is 3.11+).
     """
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False
-        if frame.f_code.co_qualname.endswith("CompiledFunctionBackward.forward"):
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_varnames[:1] == ("double_ctx",):
             return True
         frame = frame.f_back
     return False

@@ -22,7 +22,8 @@ which torch_xla's Python code makes executions happen:
   the pass, which of their ``.grad`` still hold pending IR.
 
 Around each wrapped call the recorder waits for the device
-(``xm.wait_device_ops()``) and reads ``met.metric_data("ExecuteTime")``: the
+(``xm.wait_device_ops()``) and reads ``met.metric_data("ExecuteTime")`` (plus
+``ExecuteReplicatedTime``, where SPMD records its executions): the
 delta is the number of executions the call made. Executions between wrapped
 calls (``.item()``, ``.cpu()``, printing a tensor: torch_xla's C++ runs them
 with no Python entry point) are listed too, as **value read**, or **.grad read**
@@ -93,8 +94,8 @@ class StopExplain(BaseException):
 
 
 def _execution_count() -> int:
-    data = met.metric_data("ExecuteTime")
-    return data[0] if data else 0
+    # Under SPMD every execution is a replicated one, recorded under its own metric.
+    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
 
 
 def _counters() -> dict[str, int]:
@@ -220,7 +221,7 @@ class Explainer:
                 result = original(*args, **kwargs)
             finally:
                 self._depth -= 1
-                self._record(entry, cause, detail, frame, ir, args, result)
+                self._record(entry, cause, detail, frame, ir, args, result, in_backward)
             if cause is Cause.MARK_STEP and not self._manual:
                 self._poll_optimizer()
                 if self._state == "optimizer" or not self._optimizer_seen:
@@ -374,12 +375,20 @@ class Explainer:
         self._counters = now
 
     def _record(
-        self, entry: str, cause: Cause, detail: str, frame: str, ir: Optional[str], args: tuple, result: Any
+        self,
+        entry: str,
+        cause: Cause,
+        detail: str,
+        frame: str,
+        ir: Optional[str],
+        args: tuple,
+        result: Any,
+        in_backward: bool,
     ) -> None:
         k, records = self._new_executions()
         for j in range(k):
             rec = records[j] if records else None
-            e = Execution(cause, detail, entry, frame, ir=ir)
+            e = Execution(cause, detail, entry, frame, ir=ir, in_backward=in_backward)
             if rec is not None:
                 e.graph_hash, e.inputs, e.outputs, e.torch_xla_cause = rec.graph_hash, rec.inputs, rec.outputs, rec.cause
             elif entry == "_run_cached_graph":

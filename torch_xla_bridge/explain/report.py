@@ -42,6 +42,26 @@ AVOIDABLE: dict[Cause, str] = {
 FIX = "backend='openxla_fused_grad' runs them inside the backward's execution"
 
 
+_READS = (Cause.VALUE_READ, Cause.GRAD_READ)
+_STEP_ENDS = (Cause.OPTIMIZER, Cause.MARK_STEP)
+
+
+def _predicted(step: "Step") -> str:
+    """What each backend would run for this step, from what it ran.
+
+    ``openxla_fused_grad`` runs everything but the avoidable executions;
+    ``openxla_fused_step`` runs the step as one execution plus each read made
+    before the step ended (a read after the optimizer step or sync is free).
+    A read that executed nothing in the explained run (a ``.grad`` read under
+    ``openxla_fused_grad``) is not seen, so it is not counted.
+    """
+    ends = [i for i, e in enumerate(step.executions) if e.cause in _STEP_ENDS]
+    end = ends[-1] if ends else len(step.executions)
+    reads = sum(e.cause in _READS for e in step.executions[:end])
+    fused_grad = step.total - len(step.avoidable)
+    return f"; predicted per step: openxla_fused_grad {fused_grad}, openxla_fused_step {1 + reads}"
+
+
 @dataclasses.dataclass
 class Execution:
     """One XLA execution.
@@ -60,10 +80,12 @@ class Execution:
     outputs: Optional[int] = None
     torch_xla_cause: Optional[str] = None  # the analysis's own "Execution Cause"
     ir: Optional[str] = None  # pending IR of the synced tensors, where the recorder saw them
+    in_backward: bool = False  # made inside an autograd engine pass
 
     @property
     def avoidable(self) -> bool:
-        return self.cause in AVOIDABLE
+        """Removed by ``openxla_fused_grad``: it keeps the forward's input sync (its forward is upstream's)."""
+        return self.cause in AVOIDABLE and (self.cause is not Cause.INPUT_SYNC or self.in_backward)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -141,14 +163,14 @@ class ExecutionReport:
         avoidable = collections.Counter(e.cause for e in rep.avoidable)
         if not avoidable:
             causes = ", ".join(e.cause.value for e in rep.executions) or "none"
-            return f"{line}; none avoidable ({causes})"
+            return f"{line}; none avoidable ({causes}){_predicted(rep)}"
         n = sum(avoidable.values())
         parts = ", ".join(
             f"{c.value} x{avoidable[c]}" if avoidable[c] > 1 else c.value
             for c in AVOIDABLE
             if c in avoidable
         )
-        return f"{line}; {n} avoidable: {parts} ({FIX})"
+        return f"{line}; {n} avoidable: {parts} ({FIX}){_predicted(rep)}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
