@@ -8,6 +8,11 @@ deterministic ones value by value against eager CPU. See docs/numerics.md.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -19,6 +24,7 @@ import torch_xla.core.xla_model as xm
 import numerics_survey as survey
 from xla_helpers import FUSED, FUSED_STEP, device, executions
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 BACKENDS = [FUSED, FUSED_STEP]
 # Steady-state executions of one compiled forward + backward (+ mark_step): the
 # forward and the fused backward; or the whole step as one.
@@ -179,3 +185,24 @@ def test_training_with_dropout_and_batchnorm_matches_eager_cpu(backend):
         torch.testing.assert_close(value.cpu(), want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     # Dropout was on: about 30% of the units that ReLU let through were dropped.
     assert 0.1 < 1 - replay.mask.mean().item() < 0.9
+
+
+def test_spmd_training_with_dropout_and_batchnorm_matches_eager_cpu(tmp_path):
+    """Under SPMD (batch sharded over a 4-device mesh) both backends still train like eager CPU."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "test" / "spmd_eager_numerics.py"), str(out)],
+        env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+                 PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")])),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["devices"] == 4
+    for backend, steady in ((FUSED, 3), (FUSED_STEP, 1)):  # same counts as without SPMD
+        run = result[backend]
+        assert run["executions"][2:] == [steady, steady], (backend, run)
+        assert run["state_err"] < 1e-5, (backend, run)
+        assert run["fresh_masks"] and run["unfused_warnings"] == [], (backend, run)
+        assert run["dropout_scale_ok"] and run["dropout_grad_ok"], (backend, run)
+        assert survey.kept_fraction_ok(round(run["dropout_kept"] * 4096), 4096, 0.1), (backend, run)
