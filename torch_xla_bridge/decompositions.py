@@ -14,7 +14,9 @@ Invariants:
 - a random decomposition draws from ``rand_like``, which is tagged
   ``nondeterministic_seeded`` and takes its seed from the device's base seed, so
   :func:`torch_xla_bridge.dynamo_bridge._seed_parameter` finds that seed and every call
-  gets a fresh one; the mask is an output of the forward that the backward reuses.
+  gets a fresh one; the mask is an output of the forward that the backward reuses;
+- where an op's lowering is right for some arguments (BatchNorm outside training, say)
+  its decomposition returns ``NotImplemented`` for them, which keeps the op itself.
 
 This module imports only torch (it is read by :mod:`torch_xla_bridge.backend`, which
 must load without torch_xla).
@@ -34,7 +36,15 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["DECOMPOSITIONS", "table", "native_dropout", "native_dropout_backward", "batch_norm_functional", "batch_norm_backward", "rrelu_with_noise_functional"]
+__all__ = [
+    "DECOMPOSITIONS",
+    "table",
+    "native_dropout",
+    "native_dropout_backward",
+    "batch_norm_functional",
+    "batch_norm_backward",
+    "rrelu_with_noise_functional",
+]
 
 
 def native_dropout(input: torch.Tensor, p: float, train: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
