@@ -131,9 +131,17 @@ def test_batchnorm_buffers_train_and_eval():
         execs.append(executions() - e0)
 
     fused, base = both_backends(lambda: SmallCNN(batch_norm=True), run)
+    # Eager CPU, the reference for running_var, where upstream is wrong (biased variance).
+    torch.manual_seed(0)
+    eager = SmallCNN(batch_norm=True).train()
+    for _ in range(3):
+        eager(x.cpu()).sum().backward()
     assert execs[1:3] == [2, 2]  # forward (with the buffer update) + backward
+    want, want_eager = cpu_state(base), cpu_state(eager)
     for name, value in cpu_state(fused).items():
-        torch.testing.assert_close(value, cpu_state(base)[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        if not name.endswith("running_var"):
+            torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(value, want_eager[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert_same_grads(fused, base)
 
 
@@ -214,30 +222,44 @@ def test_tensor_hooks_and_post_accumulate_hooks():
         torch.testing.assert_close(got[name], fused.get_parameter(name).grad.norm().cpu())
 
 
-def test_dropout_matches_upstream():
-    x = torch.randn(8, 16).to(device())
+class ReplayDropout(nn.Module):
+    """Eager CPU's dropout with a given mask: ``x * mask / (1 - p)``."""
 
-    def make():
-        return nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.mask = None
 
-    def run(model, compiled, step, backend):
-        # Seeded every step: upstream's first backward compiles with a sync that
-        # advances the RNG state, so the two streams only agree from a fresh seed.
-        xm.set_rng_state(42 + step)
-        model.zero_grad()
-        compiled(x).square().mean().backward()
+    def forward(self, x):
+        return x * self.mask / (1 - self.p)
 
-    fused, base = both_backends(make, run)
-    assert_same_grads(fused, base)
-    # The mask changes between steps (the seed is not frozen into a cached computation).
-    fused.zero_grad()
-    compiled = torch.compile(fused, backend=FUSED)
+
+def test_dropout_matches_eager_cpu():
+    """Gradients as eager CPU's with the same mask (upstream scales by 1/p, twice in the backward)."""
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
+    fused = copy.deepcopy(cpu_model).to(device())
+    cpu_model[1] = ReplayDropout(0.5)
+    x = torch.randn(8, 16)
+
+    def forward(m, x):
+        # Returns the dropout's output too, so that its mask can be replayed on CPU.
+        h = m[1](m[0](x))
+        return m[3](m[2](h)), h
+
+    compiled = torch.compile(forward, backend=FUSED)
     masks = []
-    for _ in range(2):
+    for _ in range(3):
         fused.zero_grad()
-        compiled(x).square().mean().backward()
-        masks.append(fused[0].weight.grad.cpu() != 0)
-    assert not torch.equal(masks[0], masks[1])
+        cpu_model.zero_grad()
+        out, h = compiled(fused, x.to(device()))
+        out.square().mean().backward()
+        cpu_model[1].mask = (h.detach().cpu() != 0).float()
+        cpu_model(x).square().mean().backward()
+        masks.append(cpu_model[1].mask)
+        assert_same_grads(fused, cpu_model, rtol=1e-5, atol=1e-6)
+    # The mask changes between steps (the seed is not frozen into a cached computation).
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

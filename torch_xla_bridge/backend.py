@@ -4,7 +4,10 @@ The backend is upstream ``openxla`` with a backward compiler of our own: the
 forward runs through torch_xla's dynamo bridge unchanged, the backward is
 deferred (see :mod:`torch_xla_bridge.dynamo_bridge`) and synced together with
 the gradient accumulation by one autograd engine callback (see
-:mod:`torch_xla_bridge.grad_sync`).
+:mod:`torch_xla_bridge.grad_sync`). Both backends trace their graphs with
+:mod:`torch_xla_bridge.decompositions`, which replaces ops whose torch_xla
+lowering disagrees with eager PyTorch (dropout's scale, BatchNorm's running
+variance).
 
 This module imports only torch, so that dynamo can list the backend (and the
 entry point can load it) on a machine without torch_xla; torch_xla is imported
@@ -21,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
+
+from . import decompositions
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +87,13 @@ def openxla_fused_grad(
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
     if _compiled_autograd_graph(BACKEND_NAME):
-        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream)(gm, example_inputs, **kwargs)
+        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
+            gm, example_inputs, **kwargs
+        )
     return aot_autograd(
         fw_compiler=dynamo_bridge.compile_upstream,
         bw_compiler=dynamo_bridge.compile_deferred_backward,
+        decompositions=decompositions.table,
     )(gm, example_inputs, **kwargs)
 
 
@@ -103,8 +111,10 @@ def openxla_fused_step(
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs, STEP_BACKEND_NAME)
     if _compiled_autograd_graph(STEP_BACKEND_NAME):
-        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream)(gm, example_inputs, **kwargs)
-    return aot_autograd(**fused_step.compilers())(gm, example_inputs, **kwargs)
+        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
+            gm, example_inputs, **kwargs
+        )
+    return aot_autograd(**fused_step.compilers(), decompositions=decompositions.table)(gm, example_inputs, **kwargs)
 
 
 _BACKENDS = {BACKEND_NAME: openxla_fused_grad, STEP_BACKEND_NAME: openxla_fused_step}
