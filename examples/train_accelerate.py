@@ -39,19 +39,25 @@ def main(argv: Optional[Sequence[str]] = None, on_step: Optional[Callable[[int],
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument(
+        "--compile-with", choices=("model", "framework"), default="model",
+        help="framework: Accelerator(dynamo_backend=...), which needs accelerate with upstream/accelerate's patch",
+    )
     args = ap.parse_args(argv)
+    compile_model = args.backend != "none" and args.compile_with == "model"
 
     # With torch_xla installed, Accelerator picks the XLA device (PJRT_DEVICE) by itself.
-    # Not Accelerator(dynamo_backend=...): accelerate checks the name against its own
-    # fixed list, which holds no XLA backend (upstream/accelerate/ has the fix).
-    accelerator = Accelerator()
+    # Not Accelerator(dynamo_backend=...) by default: accelerate checks the name against
+    # its own fixed list, which holds no XLA backend (upstream/accelerate/ has the fix).
+    framework_compile = {} if compile_model or args.backend == "none" else {"dynamo_backend": args.backend}
+    accelerator = Accelerator(**framework_compile)
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=512, n_positions=args.seq, n_embd=64, n_layer=2, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config)
-    if args.backend != "none":
+    if compile_model:
         # In place: prepare() leaves a compiled module alone, and the model keeps its type.
         model.compile(backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)

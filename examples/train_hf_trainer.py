@@ -49,6 +49,11 @@ def build(
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--output-dir", default=None, help="default: a temporary directory")
+    ap.add_argument(
+        "--compile-with", choices=("model", "framework"), default="model",
+        help="framework: TrainingArguments(torch_compile_backend=...), which needs accelerate with "
+        "upstream/accelerate's patch",
+    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -63,8 +68,11 @@ def build(
     # through accelerate's fixed list of backend names, which holds no XLA backend
     # (upstream/accelerate/ has the fix). Compilation happens at the first call, after
     # Trainer has moved the model to the XLA device.
-    if args.backend != "none":
+    if args.backend != "none" and args.compile_with == "model":
         model.compile(backend=args.backend)
+    framework_compile = {}
+    if args.backend != "none" and args.compile_with == "framework":
+        framework_compile = {"torch_compile_backend": args.backend}
 
     training_args = TrainingArguments(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_"),
@@ -82,6 +90,7 @@ def build(
         # One batch shape for every step: a smaller last batch would compile the step again.
         dataloader_drop_last=True,
         seed=0,
+        **framework_compile,
     )
     dataset = RandomTokens(args.steps * args.batch, args.seq, config.vocab_size)
     return trainer_cls(model=model, args=training_args, train_dataset=dataset, callbacks=list(callbacks))
