@@ -68,8 +68,9 @@ def test_upstream_test_passes_with_the_patch(patched_root):
 # framework's own switch; the second needs the patch. Prints the losses and the number of
 # graphs dynamo compiled (a switch that compiled nothing would still train) as JSON.
 _BOTH_WAYS = """
-import importlib.util, json, sys
+import importlib.util, json, os, sys
 import torch._dynamo
+from accelerate.state import AcceleratorState
 from torch._dynamo.utils import counters
 import torch_xla_bridge  # noqa: F401  (the checkout's backends; an installed package needs no import)
 
@@ -83,6 +84,11 @@ backend = sys.argv[1]
 out = {}
 for example in ("train_hf_trainer", "train_accelerate"):
     for way in ("model", "framework"):
+        # One process, four trainings: accelerate keeps the first Accelerator's settings in a
+        # process-wide state, and TrainingArguments(torch_compile_backend=...) sets
+        # ACCELERATE_DYNAMO_BACKEND for the whole process; each run starts without either.
+        AcceleratorState._reset_state(True)
+        os.environ.pop("ACCELERATE_DYNAMO_BACKEND", None)
         torch._dynamo.reset()
         counters.clear()
         losses = load(example).main(["--backend", backend, "--steps", "3", "--compile-with", way])
