@@ -49,7 +49,9 @@ def main(argv: Optional[Sequence[str]] = None, on_step: Optional[Callable[[int],
     # With torch_xla installed, Accelerator picks the XLA device (PJRT_DEVICE) by itself.
     # Not Accelerator(dynamo_backend=...) by default: accelerate checks the name against
     # its own fixed list, which holds no XLA backend (upstream/accelerate/ has the fix).
-    framework_compile = {} if compile_model or args.backend == "none" else {"dynamo_backend": args.backend}
+    framework_compile: dict[str, str] = {}
+    if args.backend != "none" and args.compile_with == "framework":
+        framework_compile = {"dynamo_backend": args.backend}
     accelerator = Accelerator(**framework_compile)
     torch.manual_seed(0)
     config = GPT2Config(
@@ -58,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None, on_step: Optional[Callable[[int],
     )
     model = GPT2LMHeadModel(config)
     if compile_model:
-        # In place: prepare() leaves a compiled module alone, and the model keeps its type.
+        # In place: the model keeps its class (what prepare() wraps and unwrap_model returns).
         model.compile(backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
     data = random_tokens(args.steps * args.batch, args.seq, config.vocab_size)
@@ -76,9 +78,12 @@ def main(argv: Optional[Sequence[str]] = None, on_step: Optional[Callable[[int],
         optimizer.step()
         optimizer.zero_grad()
         # Read after the optimizer step: with openxla_fused_step a read before it would
-        # execute the forward on its own (docs/fused_step.md).
+        # execute the forward on its own (docs/fused_step.md). Until an eager optimizer's
+        # step ends the fused step, this read still does (docs/frameworks/accelerate.md).
         losses.append(loss.item())
-        accelerator.print(f"step {step + 1}: loss {losses[-1]:.5f}")
+        # print, not accelerator.print: off TPU, accelerate takes the local process index from
+        # LOCAL_RANK, -1 unless a launcher set it, and then accelerator.print prints nothing.
+        print(f"step {step + 1}: loss {losses[-1]:.5f}")
         if on_step is not None:
             on_step(step)
     return losses

@@ -70,7 +70,7 @@ def build(
     # Trainer has moved the model to the XLA device.
     if args.backend != "none" and args.compile_with == "model":
         model.compile(backend=args.backend)
-    framework_compile = {}
+    framework_compile: dict[str, str] = {}
     if args.backend != "none" and args.compile_with == "framework":
         framework_compile = {"torch_compile_backend": args.backend}
 
@@ -83,7 +83,7 @@ def build(
         # The default, adamw_torch_fused, has no XLA kernel; the plain AdamW runs its
         # update as lazy XLA ops, which openxla_fused_step folds into the step's execution.
         optim="adamw_torch",
-        logging_steps=1,
+        logging_steps=1,  # each logged step costs Trainer 4 executions of its own (docs/frameworks/trainer.md)
         report_to="none",  # no experiment trackers
         save_strategy="no",  # no checkpoints in a demo
         dataloader_pin_memory=False,  # pinned host memory is for CUDA; torch_xla's loader moves batches itself
