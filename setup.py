@@ -9,8 +9,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
     extras_require={
-        # torchvision and transformers: the drop-in examples the tests run.
-        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "rich==15.0.0"],
+        # torchvision, transformers and accelerate: the drop-in examples the tests run.
+        # accelerate 1.16.0 (Trainer runs on it): requires torch>=2.0, so it keeps torch 2.9.0.
+        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "accelerate==1.16.0", "rich==15.0.0"],
         # python -m torch_xla_bridge.explain prints rich tables (plain text without it).
         "explain": ["rich==15.0.0"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],

@@ -58,5 +58,6 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for page in ("index.html", "guide/index.html", "design/index.html", "benchmarks/index.html",
-                 "benchmarks/results/index.html"):
+                 "benchmarks/results/index.html", "frameworks/index.html", "frameworks/trainer/index.html",
+                 "frameworks/accelerate/index.html", "frameworks/plain-loop/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
