@@ -159,21 +159,7 @@ def test_trainer_own_syncs_do_not_depend_on_the_backend():
     assert own == {UPSTREAM: 5, FUSED: 5, FUSED_STEP: 5}
 
 
-@pytest.mark.parametrize(
-    "framework",
-    [
-        "trainer",
-        pytest.param(
-            "accelerate",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="openxla_fused_step does not yet cut the step when an eager optimizer's step ends: "
-                "loss.item() after optimizer.step() executes the forward on its own (3 executions per step). "
-                "The fix (a cut from torch's optimizer step hooks) is in progress in main.",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("framework", ["trainer", "accelerate"])
 def test_fused_step_is_one_execution_beyond_the_framework_syncs(framework):
     result = run(framework, FUSED_STEP)
     assert steady(result.per_step) == 1 + steady(result.framework)

@@ -53,8 +53,11 @@ def _predicted(step: "Step") -> str:
     ``openxla_fused_step`` runs the step as one execution plus each read made
     before the step ended (a read after the optimizer step or sync is free).
     A read that executed nothing in the explained run (a ``.grad`` read under
-    ``openxla_fused_grad``) is not seen, so it is not counted.
+    ``openxla_fused_grad``) is not seen, so it is not counted. A run under
+    ``openxla_fused_step`` predicts nothing.
     """
+    if any(e.detail.startswith("openxla_fused_step") for e in step.executions):
+        return ""  # its executions no longer show what the others would run separately
     ends = [i for i, e in enumerate(step.executions) if e.cause in _STEP_ENDS]
     end = ends[-1] if ends else len(step.executions)
     reads = sum(e.cause in _READS for e in step.executions[:end])
