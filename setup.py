@@ -10,7 +10,12 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
     extras_require={
         # torchvision and transformers: the drop-in examples the tests run.
-        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "rich==15.0.0"],
+        # yapf: upstream/make_patch.py formats the pytorch/xla series with upstream's pinned yapf;
+        # expecttest: pytorch/xla's test/dynamo/test_bridge.py (upstream/run_upstream_suite.py).
+        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "rich==15.0.0", "yapf==0.40.2",
+                 "expecttest==0.3.0"],
+        # Regenerating upstream/*.patch and running pytorch/xla's own test/dynamo suite against it.
+        "upstream": ["yapf==0.40.2", "expecttest==0.3.0", "torchvision==0.24.0"],
         # python -m torch_xla_bridge.explain prints rich tables (plain text without it).
         "explain": ["rich==15.0.0"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],
