@@ -11,7 +11,12 @@ setup(
     extras_require={
         # torchvision, transformers and accelerate: the drop-in examples the tests run.
         # accelerate 1.16.0 (Trainer runs on it): requires torch>=2.0, so it keeps torch 2.9.0.
-        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "accelerate==1.16.0", "rich==15.0.0"],
+        # yapf: upstream/make_patch.py formats the pytorch/xla series with upstream's pinned yapf;
+        # expecttest: pytorch/xla's test/dynamo/test_bridge.py (upstream/run_upstream_suite.py).
+        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "accelerate==1.16.0", "rich==15.0.0",
+                 "yapf==0.40.2", "expecttest==0.3.0"],
+        # Regenerating upstream/*.patch and running pytorch/xla's own test/dynamo suite against it.
+        "upstream": ["yapf==0.40.2", "expecttest==0.3.0", "torchvision==0.24.0"],
         # python -m torch_xla_bridge.explain prints rich tables (plain text without it).
         "explain": ["rich==15.0.0"],
         "bench": ["torchvision==0.24.0", "transformers==4.57.6", "tqdm", "matplotlib"],

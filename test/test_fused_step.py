@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
 
 from xla_helpers import (
     FUSED,
@@ -258,6 +259,38 @@ def test_dropout_is_fused_with_a_fresh_mask_every_step():
             assert counts[1:] == [1, 1, 1]
     assert ratios[FUSED_STEP] == ratios[None] == {2.0}
     assert all(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(masks, masks[1:]))  # not frozen
+
+
+def _random_op(a: torch.Tensor) -> torch.Tensor:
+    return torch.randn(5, 5, device=a.device) + a
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["dropout_training", "randn_inference"])
+def test_seeding_random_ops_transfers_nothing_from_the_device(training):
+    """As upstream's DynamRandomOpTest asserts of openxla: a graph is fed a fresh seed without reading anything back.
+
+    That holds from the first call on, which lowers the graph and finds the
+    parameter its random ops draw their seed from.
+    """
+    torch.manual_seed(0)
+    if training:
+        model = Dropout().to(device())
+        compiled, x = torch.compile(model, backend=FUSED_STEP), torch.randn(8, 16).to(device())
+    else:
+        compiled, x = torch.compile(_random_op, backend=FUSED_STEP, fullgraph=True), torch.randn(5, 5).to(device())
+    xm.mark_step()
+    xm.wait_device_ops()
+    met.clear_all()
+    outs = []
+    for _ in range(3):
+        out = compiled(x)
+        if training:
+            out.sum().backward()
+        xm.mark_step()
+        outs.append(out)
+    assert "TransferFromDeviceTime" not in met.metric_names()
+    assert "TransferToDeviceTime" in met.metric_names()  # the fresh seeds
+    assert all(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(outs, outs[1:]))  # fresh numbers every call
 
 
 def test_batchnorm_buffers_match_upstream_and_eager_cpu():

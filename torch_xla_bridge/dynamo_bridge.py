@@ -122,12 +122,15 @@ def _seed_parameter(
     """The hoisted parameter that holds the RNG seed the trace drew from, if exactly one does.
 
     Random ops derive their seeds from one 0-dim int64 device-data value, the
-    device's base seed when they were traced; reading the few such candidates
-    back happens once per lowering and executes nothing.
+    device's base seed when they were traced. It is found by its device data
+    handle (``seed_at_trace``), not by its value: reading values back would
+    be a transfer from the device, which upstream's bridge never makes when
+    it seeds a graph (its tests assert that).
     """
     found = [
         pid for pid, t in params.items()
-        if type(sources[pid]) is not int and t.dtype == torch.int64 and t.dim() == 0 and int(t.cpu()) == seed_at_trace
+        if type(sources[pid]) is not int and t.dtype == torch.int64 and t.dim() == 0
+        and torch_xla._XLAC._get_tensors_handle([t])[0] == seed_at_trace
     ]
     return found[0] if len(found) == 1 else None
 
@@ -267,8 +270,12 @@ class DeferredGraph:
         reason = self._probe(args)
         if reason is not None:
             return reason
-        # Random ops derive their seeds from the device's base seed (not the running one).
-        seed_at_trace = int(torch_xla._XLAC._get_base_seed_as_tensor(str(torch_xla.device())).cpu()) if self._random else 0
+        # Random ops derive their seeds from the device's base seed (not the running
+        # one); its device data handle identifies the parameter it becomes.
+        seed_at_trace = (
+            torch_xla._XLAC._get_tensors_handle([torch_xla._XLAC._get_base_seed_as_tensor(str(torch_xla.device()))])[0]
+            if self._random else 0
+        )
         with torch.no_grad(), eager_mode_context(False):
             placeholders = [
                 xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a

@@ -261,8 +261,10 @@ class DynamoFusedGradBehaviourTest(_FusedGradTestCase):
     cw2 = w2.detach().cpu().requires_grad_()
     for _ in range(4):
       f(x.cpu(), cw1, cw2).backward()
-    self.assertTrue(torch.allclose(w1.grad.cpu(), cw1.grad, rtol=1e-4, atol=1e-3))
-    self.assertTrue(torch.allclose(w2.grad.cpu(), cw2.grad, rtol=1e-4, atol=1e-3))
+    self.assertTrue(
+        torch.allclose(w1.grad.cpu(), cw1.grad, rtol=1e-4, atol=1e-3))
+    self.assertTrue(
+        torch.allclose(w2.grad.cpu(), cw2.grad, rtol=1e-4, atol=1e-3))
 
   def test_double_backward_falls_back_with_one_warning(self):
     device = torch_xla.device()

@@ -1,0 +1,427 @@
+"""Runs pytorch/xla's own ``test/dynamo`` suite against the patch and against this project's backends.
+
+Given a pytorch/xla checkout (a work tree, or a git directory and a ref), the
+script exports ``test/dynamo/`` and the helpers those tests import
+(:data:`EXPORTED`), and runs every test file, each in a subprocess of its own,
+in these modes:
+
+``upstream``
+    the installed torch_xla, unpatched, tests unchanged (the baseline);
+``patched``
+    a copy of the installed torch_xla with the patch series in ``upstream/``
+    applied, and the exported tests with the same series applied (the series
+    updates the upstream tests whose counts it improves);
+``openxla_fused_grad`` / ``openxla_fused_step``
+    the installed torch_xla, unpatched, with this project's backend name
+    swapped in for every ``'openxla'`` string in the tests (nothing else
+    changes), this project's package first on the path.
+
+A file that crashes (a segfault) or hangs loses only the test in flight: the
+file is rerun without the tests that already have an outcome. The report
+lists per file and mode the tests passed and failed, and the failures that
+are new against ``upstream``.
+
+    python upstream/run_upstream_suite.py --checkout /path/to/xla                # a work tree
+    python upstream/run_upstream_suite.py --checkout /path/to/xla.git --ref v2.9.0
+    python upstream/run_upstream_suite.py ... --modes upstream,patched --files test_dynamo.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Optional, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HERE = ROOT / "upstream"
+MODES = ("upstream", "patched", "openxla_fused_grad", "openxla_fused_step")
+BACKEND_MODES = ("openxla_fused_grad", "openxla_fused_step")
+# What test/dynamo's files import from outside their folder: test_dynamo.py
+# puts test/ on sys.path for test_utils, test_dynamo_dynamic_shape.py puts
+# examples/ there for decoder_only_model.
+EXPORTED = ("test/dynamo", "test/test_utils.py", "examples/decoder_only_model.py")
+TEST_DIR = "test/dynamo"
+# Per-file environment, as upstream's test/run_tests.sh runs them
+# (run_save_tensor_ir for the graph dump test); "{tree}" is the mode's tree.
+FILE_ENV = {
+    "test_dynamo_graph_dump.py": {"XLA_SAVE_TENSORS_FILE": "{tree}/xla_test_save_ir.txt", "XLA_SAVE_TENSORS_FMT": "text"},
+}
+# Outcomes that count as a failure.
+FAILED = ("failure", "error", "unexpected_success", "crashed", "timeout")
+
+# Runs one test file as `python <file> -v` would (sys.argv[0] and sys.path[0]
+# are the file's), recording every test's outcome as a JSON line, flushed at
+# once, so that a crash loses only the test in flight. Tests named in
+# RUS_SKIP (already run by an earlier attempt) are not run again.
+_RECORDER = textwrap.dedent(
+    """
+    import json, os, re, runpy, sys, unittest
+
+    _out = open(os.environ["RUS_RECORD"], "a", buffering=1)
+    _skip = set(json.loads(os.environ.get("RUS_SKIP", "[]")))
+
+    def _write(**kw):
+        _out.write(json.dumps(kw) + "\\n")
+
+    def _id(test):
+        # Parameterized ids name functions by address, which differs per process.
+        return re.sub(r" at 0x[0-9a-f]+>", ">", test.id())
+
+    def _hook(name, outcome):
+        orig = getattr(unittest.TestResult, name)
+
+        def hooked(self, test, *args):
+            if name == "addSubTest":
+                if args[1] is not None:
+                    _write(test=_id(test), outcome="failure", detail=str(args[0]))
+            elif _id(test) not in _skip:
+                _write(test=_id(test), outcome=outcome)
+            return orig(self, test, *args)
+
+        setattr(unittest.TestResult, name, hooked)
+
+    for _name, _outcome in [("startTest", "started"), ("addSuccess", "ok"), ("addFailure", "failure"),
+                            ("addError", "error"), ("addSkip", "skipped"),
+                            ("addExpectedFailure", "expected_failure"),
+                            ("addUnexpectedSuccess", "unexpected_success"), ("addSubTest", None)]:
+        _hook(_name, _outcome)
+
+    _run = unittest.TestCase.run
+
+    def _run_unless_done(self, result=None):
+        if _id(self) in _skip:
+            return result
+        return _run(self, result)
+
+    unittest.TestCase.run = _run_unless_done
+
+    import torch_xla
+    _write(torch_xla=torch_xla.__file__)
+    if os.environ.get("RUS_BACKEND"):
+        import torch_xla_bridge
+        _write(torch_xla_bridge=torch_xla_bridge.__file__)
+    path = os.path.abspath(sys.argv[1])
+    sys.argv = [path] + sys.argv[2:]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+    """
+)
+
+
+# Where a pytorch/xla checkout is looked for when none is given: the
+# environment variable (a work tree, or a git directory), then this machine's
+# mirror of the repository.
+CHECKOUT_ENV = "PYTORCH_XLA_CHECKOUT"
+DEFAULT_CHECKOUTS = (pathlib.Path("/work/.mirror/pytorch+xla/repo"),)
+
+
+def find_checkout() -> Optional[pathlib.Path]:
+    """A pytorch/xla work tree or git directory at hand, if any."""
+    for path in ([pathlib.Path(os.environ[CHECKOUT_ENV])] if os.environ.get(CHECKOUT_ENV) else []) + list(
+        DEFAULT_CHECKOUTS
+    ):
+        if (path / TEST_DIR).is_dir() or (path / "HEAD").is_file() or (path / ".git").exists():
+            return path
+    return None
+
+
+def git_dir(checkout: pathlib.Path) -> Optional[pathlib.Path]:
+    """The git directory of a checkout (itself if bare), if it has one."""
+    if (checkout / ".git").exists():
+        return checkout / ".git"
+    return checkout if (checkout / "HEAD").is_file() else None
+
+
+def _load_make_patch():
+    spec = importlib.util.spec_from_file_location("make_patch", HERE / "make_patch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_patch", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return sys.modules["make_patch"]
+
+
+def patch_files() -> list[pathlib.Path]:
+    """The patch series, in the order it applies."""
+    return [HERE / name for name in _load_make_patch().PATCH_NAMES]
+
+
+def export_tests(checkout: pathlib.Path, ref: Optional[str], dest: pathlib.Path) -> None:
+    """Copies :data:`EXPORTED` from a work tree, or from ``ref`` of a git directory, into ``dest``."""
+    if (checkout / TEST_DIR).is_dir():
+        if ref is not None:
+            raise SystemExit(f"{checkout} is a work tree; --ref applies to a git directory only")
+        for rel in EXPORTED:
+            src, out = checkout / rel, dest / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(src, out)
+        return
+    archive = subprocess.run(
+        ["git", "--git-dir", str(checkout), "archive", ref or "HEAD", *EXPORTED],
+        capture_output=True, check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+
+
+def apply_series(root: pathlib.Path, *, check_only: bool = False, include: str = "") -> subprocess.CompletedProcess:
+    """``git apply`` of the series to ``root`` (a tree that need not be a git repository).
+
+    ``include``: a pathspec glob limiting which files are patched (e.g. ``test/*``).
+    """
+    args = ["git", "apply", "--verbose"] + (["--check"] if check_only else [])
+    if include:
+        args.append(f"--include={include}")
+    proc = None
+    for patch in patch_files():
+        proc = subprocess.run(args + [str(patch)], cwd=root, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return proc
+    return proc
+
+
+def swap_backend(test_dir: pathlib.Path, backend: str) -> int:
+    """Replaces every ``'openxla'`` / ``"openxla"`` string literal in the tests; returns how many."""
+    total = 0
+    for f in sorted(test_dir.glob("*.py")):
+        text, n = re.subn(r"""(['"])openxla\1""", lambda m: f"{m[1]}{backend}{m[1]}", f.read_text())
+        if n:
+            f.write_text(text)
+            total += n
+    return total
+
+
+def prepare(mode: str, checkout: pathlib.Path, ref: Optional[str], work: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """The tree a mode runs in and the environment additions it needs."""
+    tree = work / mode
+    tree.mkdir(parents=True)
+    export_tests(checkout, ref, tree)
+    env: dict[str, str] = {}
+    if mode == "patched":
+        installed = pathlib.Path(importlib.util.find_spec("torch_xla").origin).parent
+        shutil.copytree(installed, tree / "torch_xla", ignore=shutil.ignore_patterns("__pycache__"))
+        proc = apply_series(tree)
+        if proc.returncode != 0:
+            raise SystemExit(f"the patch series does not apply:\n{proc.stdout}{proc.stderr}")
+        env["PYTHONPATH"] = str(tree)
+    elif mode in BACKEND_MODES:
+        if swap_backend(tree / TEST_DIR, mode) == 0:
+            raise SystemExit("no 'openxla' string found in the tests to swap")
+        env["PYTHONPATH"] = str(ROOT)
+        env["RUS_BACKEND"] = mode
+    return tree, env
+
+
+@dataclasses.dataclass
+class FileResult:
+    """Outcome per test id of one test file in one mode."""
+
+    outcomes: dict[str, str] = dataclasses.field(default_factory=dict)
+    crashes: list[str] = dataclasses.field(default_factory=list)
+    attempts: int = 0
+    seconds: float = 0.0
+    imported: dict[str, str] = dataclasses.field(default_factory=dict)
+    tail: str = ""
+
+    def count(self, *outcomes: str) -> int:
+        return sum(o in outcomes for o in self.outcomes.values())
+
+    @property
+    def failed(self) -> set[str]:
+        return {t for t, o in self.outcomes.items() if o in FAILED}
+
+
+def run_file(
+    tree: pathlib.Path, test_file: str, env_extra: dict, timeout: float, patterns: Sequence[str] = (),
+    max_attempts: int = 20,
+) -> FileResult:
+    """Runs one file until every test has an outcome; a test in flight at a crash or timeout gets one."""
+    result = FileResult()
+    recorder = tree / "_recorder.py"
+    recorder.write_text(_RECORDER)
+    record = tree / f"_record_{test_file}.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_DYNAMO_FUSED_GRAD")}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", **env_extra)
+    env.update({k: v.format(tree=tree) for k, v in FILE_ENV.get(test_file, {}).items()})
+    start = time.monotonic()
+    while result.attempts < max_attempts:
+        result.attempts += 1
+        record.write_text("")
+        env["RUS_RECORD"] = str(record)
+        env["RUS_SKIP"] = json.dumps(sorted(result.outcomes))
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(recorder), str(tree / TEST_DIR / test_file), "-v"]
+                + [a for p in patterns for a in ("-k", p)],
+                cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
+            )
+            ended, rc, tail = "crashed", proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+        except subprocess.TimeoutExpired as e:
+            ended, rc = "timeout", None
+            tail = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace")[-4000:]
+        in_flight: Optional[str] = None
+        for line in record.read_text().splitlines():
+            entry = json.loads(line)
+            if "test" in entry:
+                entry["test"] = normalize(entry["test"])
+            if "test" not in entry:
+                result.imported.update(entry)
+            elif entry["outcome"] == "started":
+                in_flight = entry["test"]
+            else:
+                # A failed subtest must not be overwritten by the test's own success.
+                if result.outcomes.get(entry["test"]) not in FAILED:
+                    result.outcomes[entry["test"]] = entry["outcome"]
+                if entry["test"] == in_flight:
+                    in_flight = None
+        result.tail = tail
+        if in_flight is None:
+            if rc is not None and rc > 0 and not result.outcomes:
+                result.outcomes[f"{test_file} (import)"] = "error"  # no test ran: import or collection failed
+            elif rc is None or rc < 0:
+                # Died outside any test (setUpClass, teardown, exit): nothing to resume.
+                result.outcomes[f"{test_file} (outside a test)"] = ended
+                result.crashes.append(f"{ended} outside a test (rc {rc})")
+            break  # the file ran to its end (rc 1 when a test failed)
+        result.outcomes[in_flight] = ended
+        result.crashes.append(in_flight)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+# Failures a backend mode may add against ``upstream``, each with the reason
+# (docs/upstream.md lists them): tests of upstream-internal bridge metrics, and
+# execution counts the backend lowers on purpose. Keys: (mode, file, test id).
+EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {}
+# Failures of defects being fixed (keys as above), allowed by --check until
+# then; --check reports those that pass, so that they are removed.
+KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {}
+
+
+def unexpected_failures(results: dict[str, dict[str, "FileResult"]]) -> tuple[list[str], list[str]]:
+    """New failures against ``upstream`` that no list above allows, and listed ones that passed."""
+    base = results.get("upstream", {})
+    unexpected, fixed = [], []
+    for mode, per_file in results.items():
+        if mode == "upstream":
+            continue
+        for f, r in per_file.items():
+            allowed = {**EXPECTED_NEW_FAILURES, **KNOWN_DEFECTS}
+            for t in sorted(r.failed - (base[f].failed if f in base else set())):
+                if (mode, f, t) not in allowed:
+                    unexpected.append(f"{mode}: {f} {short(t)}: {r.outcomes[t]}")
+            for (m, lf, t) in allowed:
+                if m == mode and lf == f and r.outcomes.get(t) == "ok":
+                    fixed.append(f"{mode}: {f} {short(t)} passes: remove it from the list")
+    return unexpected, fixed
+
+
+def normalize(test_id: str) -> str:
+    """A test id that is the same in every run: parameterized ids name functions by address."""
+    return re.sub(r" at 0x[0-9a-f]+>", ">", test_id)
+
+
+def short(test_id: str) -> str:
+    return test_id.removeprefix("__main__.")
+
+
+def report(results: dict[str, dict[str, FileResult]], modes: list[str]) -> str:
+    """A markdown table: per file and mode, passed / failed, and the failures new against ``upstream``."""
+    files = sorted({f for per_mode in results.values() for f in per_mode})
+    head = "| file | " + " | ".join(modes) + " |\n|---|" + "---|" * len(modes) + "\n"
+    rows, notes = [], []
+    for f in files:
+        cells = []
+        base = results.get("upstream", {}).get(f)
+        for mode in modes:
+            r = results.get(mode, {}).get(f)
+            if r is None:
+                cells.append("")
+                continue
+            cell = f"{r.count('ok')} / {len(r.failed)}"
+            if mode != "upstream" and base is not None:
+                new = sorted(r.failed - base.failed)
+                cell += f" (+{len(new)})"
+                notes += [f"- {mode}: `{f}` {short(t)}: {r.outcomes[t]}" for t in new]
+            if r.crashes:
+                cell += " crash"
+            cells.append(cell)
+        rows.append(f"| {f} | " + " | ".join(cells) + " |\n")
+    legend = "\nCells: passed / failed (+ failures new against upstream); 'crash': a subprocess died and the file was resumed.\n"
+    return head + "".join(rows) + legend + ("\nNew failures:\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkout", type=pathlib.Path, default=find_checkout(),
+                    help=f"a pytorch/xla work tree, or a (bare) git directory with --ref "
+                    f"(default: ${CHECKOUT_ENV}, else {DEFAULT_CHECKOUTS[0]})")
+    ap.add_argument("--ref", help="the ref to export from a git directory (default HEAD)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--files", default="", help="comma-separated test file names (default: every test_*.py)")
+    ap.add_argument("-k", dest="patterns", action="append", default=[],
+                    help="run only tests matching this unittest -k pattern (repeatable)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per file attempt")
+    ap.add_argument("--json", type=pathlib.Path, help="write every test's outcome here")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 on a failure new against upstream that EXPECTED_NEW_FAILURES / KNOWN_DEFECTS do not list")
+    ap.add_argument("--keep", type=pathlib.Path, help="build the trees here and keep them")
+    args = ap.parse_args(argv)
+    if args.checkout is None:
+        ap.error(f"no pytorch/xla checkout found: pass --checkout or set {CHECKOUT_ENV}")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes: {sorted(unknown)}")
+    work = args.keep or pathlib.Path(tempfile.mkdtemp(prefix="upstream_suite_"))
+    results: dict[str, dict[str, FileResult]] = {}
+    try:
+        for mode in modes:
+            tree, env = prepare(mode, args.checkout, args.ref, work)
+            names = args.files.split(",") if args.files else sorted(
+                p.name for p in (tree / TEST_DIR).glob("test_*.py")
+            )
+            for name in names:
+                r = run_file(tree, name, env, args.timeout, args.patterns)
+                results.setdefault(mode, {})[name] = r
+                print(f"{mode:20} {name:34} passed {r.count('ok'):3} failed {len(r.failed):3} "
+                      f"skipped {r.count('skipped'):3} {r.seconds:6.0f}s"
+                      + (f" crashes: {', '.join(map(short, r.crashes))}" if r.crashes else ""), flush=True)
+                if not r.outcomes:
+                    print(r.tail, file=sys.stderr)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(
+                {m: {f: dataclasses.asdict(r) for f, r in per.items()} for m, per in results.items()},
+                indent=1, sort_keys=True,
+            ))
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(report(results, modes))
+    if args.check:
+        if "upstream" not in modes:
+            ap.error("--check compares against the upstream mode: include it in --modes")
+        unexpected, fixed = unexpected_failures(results)
+        for line in fixed:
+            print("listed, but passed:", line)
+        for line in unexpected:
+            print("UNEXPECTED:", line)
+        return 1 if unexpected else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
