@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PATCH = ROOT / "upstream" / "0002-native-dropout-scale.patch"
+PATCH = ROOT / "upstream" / "bugs" / "native-dropout-scale.patch"
 REPRODUCER = ROOT / "upstream" / "bugs" / "native_dropout_scale.py"
 
 

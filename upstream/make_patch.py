@@ -143,14 +143,17 @@ EDITS: dict[str, tuple[str, Edits]] = {
             ("runs unfused through upstream openxla ", "runs unfused "),
             ('    """AOTAutograd backward compiler of ``openxla_fused_grad``."""',
              '    """An AOTAutograd backward compiler: ``aot_autograd(fw_compiler=..., bw_compiler=this)``."""'),
-            ("    return spmd.compile_upstream(gm, example_inputs)\n", _UNFUSED_COMPILE),
+            ('VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"', 'VALIDATION_COUNTER = "DynamoDeferredValidationCompile"'),
+            ("    return _inputs_synced_first(spmd.compile_upstream(gm, example_inputs))\n", _UNFUSED_COMPILE),
         ],
     ),
 }
 
 # Functions of the package that upstream does not need (the bridge itself
 # warns about CPU inputs), removed from the generated module.
-DROPPED_FUNCTIONS = {"torch_xla/_dynamo/deferred_backward.py": ["check_inputs_on_xla"]}
+# The package's non-donating input sync in front of upstream's bridge is dropped too:
+# upstream's deferred backward hands unfused graphs to the bridge itself.
+DROPPED_FUNCTIONS = {"torch_xla/_dynamo/deferred_backward.py": ["check_inputs_on_xla", "_inputs_synced_first"]}
 
 BRIDGE_EDITS: Edits = [
     (
