@@ -59,7 +59,9 @@ STEP_COUNTER = "OpenxlaFusedStepSync"
 def end_step() -> None:
     """Cuts the step: everything pending on the device runs as one execution (asynchronously)."""
     torch_xla._XLAC._xla_increment_counter(STEP_COUNTER, 1)
-    torch_xla.sync()
+    # The cut can come from inside a user's profiler trace (xp.Trace around the step):
+    # keep its IR scope, as upstream's bridge never resets one.
+    torch_xla.sync(reset_scope=False)
 
 
 def _launches() -> int:

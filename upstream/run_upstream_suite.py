@@ -13,8 +13,10 @@ in these modes:
     updates the upstream tests whose counts it improves);
 ``openxla_fused_grad`` / ``openxla_fused_step``
     the installed torch_xla, unpatched, with this project's backend name
-    swapped in for every ``'openxla'`` string in the tests (nothing else
-    changes), this project's package first on the path.
+    swapped in for every ``'openxla'`` string in the tests, this project's
+    package first on the path. The tests get the series' edits to upstream's
+    tests (the execution counts of a fused backward, which
+    ``openxla_fused_grad`` is) unless ``--backend-tests upstream``.
 
 A file that crashes (a segfault) or hangs loses only the test in flight: the
 file is rerun without the tests that already have an outcome. The report
@@ -66,7 +68,7 @@ FAILED = ("failure", "error", "unexpected_success", "crashed", "timeout")
 # RUS_SKIP (already run by an earlier attempt) are not run again.
 _RECORDER = textwrap.dedent(
     """
-    import json, os, re, runpy, sys, unittest
+    import json, os, re, runpy, sys, traceback, unittest
 
     _out = open(os.environ["RUS_RECORD"], "a", buffering=1)
     _skip = set(json.loads(os.environ.get("RUS_SKIP", "[]")))
@@ -86,7 +88,11 @@ _RECORDER = textwrap.dedent(
                 if args[1] is not None:
                     _write(test=_id(test), outcome="failure", detail=str(args[0]))
             elif _id(test) not in _skip:
-                _write(test=_id(test), outcome=outcome)
+                detail = {}
+                if name in ("addFailure", "addError"):
+                    # The exception's last line: enough to tell failures apart in the report.
+                    detail = {"detail": "".join(traceback.format_exception_only(*args[0][:2])).strip()[:300]}
+                _write(test=_id(test), outcome=outcome, **detail)
             return orig(self, test, *args)
 
         setattr(unittest.TestResult, name, hooked)
@@ -203,8 +209,14 @@ def swap_backend(test_dir: pathlib.Path, backend: str) -> int:
     return total
 
 
-def prepare(mode: str, checkout: pathlib.Path, ref: Optional[str], work: pathlib.Path) -> tuple[pathlib.Path, dict]:
-    """The tree a mode runs in and the environment additions it needs."""
+def prepare(
+    mode: str, checkout: pathlib.Path, ref: Optional[str], work: pathlib.Path, backend_tests: str = "patched"
+) -> tuple[pathlib.Path, dict]:
+    """The tree a mode runs in and the environment additions it needs.
+
+    ``backend_tests``: for the backend modes, ``patched`` runs the tests with the
+    series' edits to them, ``upstream`` runs them as the checkout has them.
+    """
     tree = work / mode
     tree.mkdir(parents=True)
     export_tests(checkout, ref, tree)
@@ -217,6 +229,15 @@ def prepare(mode: str, checkout: pathlib.Path, ref: Optional[str], work: pathlib
             raise SystemExit(f"the patch series does not apply:\n{proc.stdout}{proc.stderr}")
         env["PYTHONPATH"] = str(tree)
     elif mode in BACKEND_MODES:
+        if backend_tests == "patched":
+            # The series' edits to upstream's tests (the counts of a fused backward,
+            # which openxla_fused_grad is); not its new test file, which needs the
+            # patched torch_xla.
+            for rel in _load_make_patch().VENDORED_BLOBS:
+                if rel.startswith("test/"):
+                    proc = apply_series(tree, include=rel)
+                    if proc.returncode != 0:
+                        raise SystemExit(f"the series' test edits do not apply:\n{proc.stdout}{proc.stderr}")
         if swap_backend(tree / TEST_DIR, mode) == 0:
             raise SystemExit("no 'openxla' string found in the tests to swap")
         env["PYTHONPATH"] = str(ROOT)
@@ -229,6 +250,7 @@ class FileResult:
     """Outcome per test id of one test file in one mode."""
 
     outcomes: dict[str, str] = dataclasses.field(default_factory=dict)
+    details: dict[str, str] = dataclasses.field(default_factory=dict)
     crashes: list[str] = dataclasses.field(default_factory=list)
     attempts: int = 0
     seconds: float = 0.0
@@ -284,6 +306,8 @@ def run_file(
                 # A failed subtest must not be overwritten by the test's own success.
                 if result.outcomes.get(entry["test"]) not in FAILED:
                     result.outcomes[entry["test"]] = entry["outcome"]
+                if "detail" in entry:
+                    result.details[entry["test"]] = entry["detail"]
                 if entry["test"] == in_flight:
                     in_flight = None
         result.tail = tail
@@ -304,10 +328,62 @@ def run_file(
 # Failures a backend mode may add against ``upstream``, each with the reason
 # (docs/upstream.md lists them): tests of upstream-internal bridge metrics, and
 # execution counts the backend lowers on purpose. Keys: (mode, file, test id).
-EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {}
+_STEP = "openxla_fused_step"
+_DYN = "test_dynamo_dynamic_shape.py"
+_BRIDGE_METRIC = "asserts an upstream-internal bridge metric ({}), which only upstream's bridge records"
+EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {
+    **{
+        (_STEP, _DYN, f"__main__.DynamoDynamicShapeBasicTest.{name}"): _BRIDGE_METRIC.format("DynamoExtractCompiledGraph")
+        for name in (
+            "test_dynamic_decoder", "test_dynamic_shape_basic", "test_dynamic_shape_basic_with_mark_dynamic",
+            "test_dynamic_shape_decoder_mark_dynamic", "test_dynamic_shape_mix_with_non_dynamic",
+            "test_dynamic_shape_multiple_batchs",
+        )
+    },
+    (_STEP, "test_dynamo.py", "__main__.DynamoInferenceBasicTest.test_resnet180 ('openxla_fused_step')"):
+        _BRIDGE_METRIC.format("RunCachedGraphInputData"),
+    (_STEP, "test_dynamo.py", "__main__.DynamoTrainingOptimizerTest.test_resnet18"):
+        _BRIDGE_METRIC.format("RunCachedGraphInputData"),
+    (_STEP, "test_dynamo.py", "__main__.DynamoTrainingBasicTest.test_resnet18"):
+        "asserts that data.grad is device data right after loss.backward(); the fused step leaves the whole step, "
+        "accumulation included, pending until it is cut (no optimizer and no torch_xla.sync() in this loop), on purpose "
+        "(with the tests unchanged: RunCachedGraphInputData, an upstream-internal bridge metric)",
+    (_STEP, "test_dynamo_config.py", "__main__.DynamoconfigTest.test_config_skip_input_data_check"):
+        "asserts the effect of config.skip_input_data_check, a switch of upstream's bridge, which the fused step does not use",
+    (_STEP, "test_dynamo_graph_dump.py", "__main__.DynamoGraphDumpTest.test_dump_graph_with_dynamo_execution"):
+        "asserts the position of 'Graph Hash:' in the XLA_SAVE_TENSORS_FILE dump that upstream's bridge writes for "
+        "its cached graph; the fused step runs as a torch_xla.sync(), whose dump is laid out differently",
+}
 # Failures of defects being fixed (keys as above), allowed by --check until
 # then; --check reports those that pass, so that they are removed.
-KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {}
+_CPU_INPUTS = "a graph whose inputs are all on the CPU raises instead of running unfused with upstream's warning (being fixed)"
+KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {
+    **{
+        (mode, "test_bridge.py", f"__main__.TorchXLAReuseGraphTest.{name}"): _CPU_INPUTS
+        for mode in BACKEND_MODES
+        for name in ("test_index_flag_unsupported", "test_stack_flag_unsupported")
+    },
+    **{(mode, "test_dynamo.py", "__main__.DynamoErrorMessageTest.test_all_cpu_tensor"): _CPU_INPUTS for mode in BACKEND_MODES},
+    (_STEP, "test_dynamo.py", "__main__.DynamoLTCInteractionTest.test_copy_op0 ('openxla_fused_step')"):
+        "segfault: aten.copy_ into a graph input inside a deferred graph (being fixed)",
+    (_STEP, "test_dynamo.py", "__main__.DynamoProfilerTest.test_dynamo_with_trace"):
+        "the step's cut calls torch_xla.sync() inside the user's xp.Trace: 'Expecting scope to be empty but it is "
+        "build_graph.1' (being fixed: cut at the optimizer step)",
+    (_STEP, "test_dynamo.py", "__main__.DynamoInferenceBasicTest.test_simple_model"):
+        "an inference graph cuts the step with torch_xla.sync(), which also materializes an unrelated pending tensor "
+        "the test created (being fixed: cut at the optimizer step); the test then asserts "
+        "DynamoSyncInputExecuteTime, an upstream-internal bridge metric",
+    (_STEP, "test_dynamo.py", "__main__.DynamoCpuFallbackTest.test_fallback_multiple_submodules"):
+        "ExecuteTime 6 != 5: one execution more than upstream for a graph with a CPU-fallback op, which runs "
+        "through upstream's path after the step is cut (not diagnosed)",
+    **{
+        (_STEP, "test_dynamo_aliasing.py", f"__main__.{cls}.test_manual_buffer_donation_for_inplce_op_repeat"):
+            "CompileTime 2 != 1: an in-place update of a donated input, run 100 times, compiles twice "
+            "(not diagnosed; likely the step's torch_xla.sync() keys its cache on the input's donation flag, "
+            "which the first execution clears, where upstream's cached graph ignores it)"
+        for cls in ("TestDynamoBufferDonationAliasing", "TestDynamoBufferDonationAliasingWithCustomOp")
+    },
+}
 
 
 def unexpected_failures(results: dict[str, dict[str, "FileResult"]]) -> tuple[list[str], list[str]]:
@@ -375,6 +451,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run only tests matching this unittest -k pattern (repeatable)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per file attempt")
     ap.add_argument("--json", type=pathlib.Path, help="write every test's outcome here")
+    ap.add_argument("--backend-tests", choices=("patched", "upstream"), default="patched",
+                    help="backend modes: run the tests with the series' edits to them (the fused counts), "
+                    "or unchanged")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 on a failure new against upstream that EXPECTED_NEW_FAILURES / KNOWN_DEFECTS do not list")
     ap.add_argument("--keep", type=pathlib.Path, help="build the trees here and keep them")
@@ -389,7 +468,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, dict[str, FileResult]] = {}
     try:
         for mode in modes:
-            tree, env = prepare(mode, args.checkout, args.ref, work)
+            tree, env = prepare(mode, args.checkout, args.ref, work, args.backend_tests)
             names = args.files.split(",") if args.files else sorted(
                 p.name for p in (tree / TEST_DIR).glob("test_*.py")
             )
