@@ -27,9 +27,9 @@ A read of a value (``.item()``, ``.cpu()``, ``print``) executes what that value
 needs. A read between a forward and the step's cut computes the forward twice
 (once for the read, once in the step); a graph where that is seen is switched
 to ``openxla_fused_grad`` behaviour (its forward executes on its own), with one
-warning naming where the read happened. A step cut between a forward and its
-backward (another model's optimizer step in a GAN) materializes the forward's
-outputs and costs nothing twice: it is not such a read.
+warning saying where (between forward and backward, or before the cut). A step
+cut between a forward and its backward (another model's optimizer step in a GAN)
+materializes the forward's outputs and costs nothing twice: it is not such a read.
 """
 
 from __future__ import annotations
