@@ -47,14 +47,14 @@ def _time_callbacks() -> list[float]:
     from torch_xla_bridge import grad_sync
 
     spent: list[float] = []
-    original = grad_sync._BackwardPass.sync
+    original = grad_sync._BackwardPass.end_of_backward
 
     def timed(self: Any) -> None:
         t0 = time.perf_counter()
         original(self)
         spent.append(time.perf_counter() - t0)
 
-    grad_sync._BackwardPass.sync = timed
+    grad_sync._BackwardPass.end_of_backward = timed
     return spent
 
 
