@@ -383,10 +383,13 @@ def _inputs_synced_first(compiled: Callable[[list], Any]) -> Callable[[list], An
     syncing them here first, as :func:`grad_sync.sync` does, leaves upstream's
     sync nothing to do. Counted under upstream's own counter for such syncs.
     """
+    from torch_xla._dynamo import config as dynamo_config
 
     def run_with_inputs_synced(args: list) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if tensors:
+        # With torch_xla._dynamo.config.skip_input_data_check the user asked upstream not to
+        # sync inputs at all (it then rejects a pending one): leave that to upstream too.
+        if tensors and not dynamo_config.skip_input_data_check:
             need = torch_xla._XLAC._check_tensor_need_materialization(tensors)
             pending = [t for t, n in zip(tensors, need) if n]
             if pending:
