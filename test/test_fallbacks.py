@@ -112,14 +112,22 @@ def test_fused_path_warns_nothing():
     assert not any(pending([p.grad for p in model.parameters()]))
 
 
-def test_model_on_cpu_is_a_clear_error():
-    model = mlp()
-    compiled = torch.compile(model, backend=FUSED)
-    with pytest.raises(Exception) as info:
-        compiled(torch.randn(8, 16))
-    message = str(info.value)
-    assert "is on device cpu, not on an XLA device" in message
-    assert "model.to(device)" in message and "torch_xla.device()" in message
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_model_on_cpu_trains_like_upstream(backend):
+    """No input on XLA at all: upstream warns and runs the graph on the CPU; so do we."""
+    torch.manual_seed(0)
+    model, cpu_model = mlp(), mlp()
+    cpu_model.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).square().mean().backward()
+    assert any("Found tensor with shape" in str(w.message) for w in caught)
+    cpu_model(x).square().mean().backward()
+    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
+        assert p.grad.device.type == "cpu"
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])

@@ -46,6 +46,23 @@ def require_torch_xla(backend: str = BACKEND_NAME) -> None:
         ) from e
 
 
+def _upstream_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """Upstream ``openxla``'s AOTAutograd wiring (with our decompositions): nothing deferred."""
+    from . import dynamo_bridge
+
+    return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
+        gm, example_inputs, **kwargs
+    )
+
+
+def _runs_as_upstream(backend: str, example_inputs: Sequence[Any]) -> bool:
+    """Graphs this backend hands to upstream whole: no input on XLA (upstream warns and runs
+    them on the CPU), and compiled autograd's backward graphs."""
+    from . import dynamo_bridge
+
+    return not dynamo_bridge.on_xla(example_inputs) or _compiled_autograd_graph(backend)
+
+
 def _compiled_autograd_graph(backend: str) -> bool:
     """True while compiled autograd compiles its backward graph; says once per backend that it runs unfused.
 
@@ -86,10 +103,8 @@ def openxla_fused_grad(
     from . import dynamo_bridge
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
-    if _compiled_autograd_graph(BACKEND_NAME):
-        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
-            gm, example_inputs, **kwargs
-        )
+    if _runs_as_upstream(BACKEND_NAME, example_inputs):
+        return _upstream_compile(gm, example_inputs, **kwargs)
     return aot_autograd(
         fw_compiler=dynamo_bridge.compile_upstream,
         bw_compiler=dynamo_bridge.compile_deferred_backward,
@@ -110,10 +125,8 @@ def openxla_fused_step(
     from . import dynamo_bridge, fused_step
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs, STEP_BACKEND_NAME)
-    if _compiled_autograd_graph(STEP_BACKEND_NAME):
-        return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
-            gm, example_inputs, **kwargs
-        )
+    if _runs_as_upstream(STEP_BACKEND_NAME, example_inputs):
+        return _upstream_compile(gm, example_inputs, **kwargs)
     return aot_autograd(**fused_step.compilers(), decompositions=decompositions.table)(gm, example_inputs, **kwargs)
 
 

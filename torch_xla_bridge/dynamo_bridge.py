@@ -42,15 +42,22 @@ _USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
 VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 
 
-def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
-    """Raises if a graph input that requires grad lives off the XLA device.
+def on_xla(example_inputs: Sequence[Any]) -> bool:
+    """Whether any graph input is on an XLA device (a graph with none runs as upstream runs it)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in example_inputs)
 
-    Such an input is a parameter (or a trained input) never moved to XLA:
-    upstream would train it on the CPU, silently. Other CPU inputs (data,
-    an inference graph's operands) are allowed: their graph runs unfused
-    through upstream, which warns and runs them as it does (see
-    :func:`_off_device_reason`).
+
+def check_inputs_on_xla(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: str = BACKEND_NAME) -> None:
+    """Raises if, beside inputs on XLA, an input that requires grad lives off the XLA device.
+
+    Such an input is a parameter (or a trained input) never moved to XLA
+    while the rest of the model was: upstream would train it on the CPU,
+    silently. Other CPU inputs (data, every input of an all-CPU graph) are
+    allowed: their graph runs unfused through upstream, which warns and runs
+    them as it does (see :func:`_off_device_reason`).
     """
+    if not on_xla(example_inputs):
+        return
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     for i, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor) or t.device.type == "xla" or not t.requires_grad:
@@ -335,7 +342,9 @@ class DeferredGraph:
         xm.wait_device_ops()
         executions_before = _execution_count()
         with torch.no_grad(), eager_mode_context(False):
-            outs = self.gm(*_fresh_handles(args))
+            # Fresh handles only where needed: syncing a clone allocates a buffer of its own,
+            # so an op that reads its data (a CPU fallback) would execute a copy first.
+            outs = self.gm(*(_fresh_handles(args) if _writes_into_inputs(self.gm) else args))
         flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         del outs
         fallbacks = sorted(
@@ -362,6 +371,11 @@ def _fresh_handles(args: Sequence[Any]) -> list[Any]:
     feed the empty placeholder as a constant (a crash inside PJRT's execute).
     """
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _writes_into_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether tracing ``gm`` would update its arguments (see :func:`_fresh_handles`)."""
+    return bool(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy.default))
 
 
 def compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:

@@ -10,7 +10,7 @@ runs as one XLA execution, cached after warm-up.
 The step is cut (torch_xla's step barrier, which materializes every live tensor):
 
 - when an optimizer step ends, eager (a global optimizer step post-hook) or
-  compiled with this backend (the graph that updates the parameters joins the
+  compiled with this backend (the graph that updates its inputs joins the
   step, then cuts it; after each such graph, where dynamo splits an optimizer
   step into several), so ``loss.item()`` after ``optimizer.step()`` and a model
   read after training execute nothing;
@@ -19,7 +19,7 @@ The step is cut (torch_xla's step barrier, which materializes every live tensor)
   updated by hand, no sync): the previous step is synced first, so one step
   never grows into the next.
 
-A graph that needs no backward and updates no parameter (an evaluation
+A graph that needs no backward and updates none of its inputs (an evaluation
 forward, a checkpointed block's forward under ``no_grad``) joins an open step;
 outside one it executes its own outputs at once, as upstream does.
 
@@ -265,7 +265,7 @@ class StepBackward(DeferredBackward):
 class StepEndGraph(DeferredGraph):
     """A graph that needs no backward: an optimizer step joins the step and ends it; others join it.
 
-    Invariant: a graph that updates parameters in place (a compiled
+    Invariant: a graph that updates its inputs in place (a compiled
     ``optimizer.step``) makes exactly one :func:`end_step` per call, after its
     own work is part of the pending step (fused) or before it runs (upstream
     path, so that upstream's own input sync finds nothing left to run). Any
@@ -277,17 +277,17 @@ class StepEndGraph(DeferredGraph):
     kind = "no-backward"
     unfused_effect = "the step is synced before it, and it executes on its own"
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], updates_parameters: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], updates_inputs: bool) -> None:
         super().__init__(gm, example_inputs, BACKEND_NAME, validate=True)
-        self.updates_parameters = updates_parameters
+        self.updates_inputs = updates_inputs
 
     def __call__(self, args: list) -> Any:
-        if not self.updates_parameters and _in_training(args):
+        if not self.updates_inputs and _in_training(args):
             _current_step()
         return super().__call__(args)
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
-        if self.updates_parameters:
+        if self.updates_inputs:
             end_step()
         elif not _open:
             grad_sync.sync(pending)
@@ -297,18 +297,19 @@ class StepEndGraph(DeferredGraph):
         return super()._run_upstream(args, reason)
 
 
-def _updates_parameters() -> bool:
-    """While AOTAutograd compiles an inference graph: whether it writes into a tensor that requires grad.
+def _updates_inputs() -> bool:
+    """While AOTAutograd compiles an inference graph: whether it writes into one of its inputs.
 
-    Read from AOTAutograd's metadata for the graph being compiled; where that
-    is unavailable, assume it does (the graph then cuts the step, as an
-    optimizer step must).
+    Such a graph is an optimizer step (it writes parameters and optimizer
+    state) or another update of state (a cache's ``index_copy_``), which ends
+    the step as upstream's execution would. Read from AOTAutograd's metadata
+    for the graph being compiled; where that is unavailable, assume it does.
     """
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None)
     if meta is None:
         return True
-    return any(info.mutates_data and info.requires_grad for info in meta.input_info)
+    return any(info.mutates_data for info in meta.input_info)
 
 
 def compilers() -> dict[str, Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[[list], Any]]]:
@@ -318,5 +319,5 @@ def compilers() -> dict[str, Callable[[torch.fx.GraphModule, Sequence[Any]], Cal
     return dict(
         fw_compiler=lambda gm, example_inputs: DeferredForward(gm, example_inputs, pair),
         bw_compiler=lambda gm, example_inputs: StepBackward(gm, example_inputs, pair),
-        inference_compiler=lambda gm, example_inputs: StepEndGraph(gm, example_inputs, _updates_parameters()),
+        inference_compiler=lambda gm, example_inputs: StepEndGraph(gm, example_inputs, _updates_inputs()),
     )

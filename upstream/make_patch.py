@@ -153,7 +153,7 @@ EDITS: dict[str, tuple[str, Edits]] = {
 # warns about CPU inputs), removed from the generated module.
 # The package's non-donating input sync in front of upstream's bridge is dropped too:
 # upstream's deferred backward hands unfused graphs to the bridge itself.
-DROPPED_FUNCTIONS = {"torch_xla/_dynamo/deferred_backward.py": ["check_inputs_on_xla", "_inputs_synced_first"]}
+DROPPED_FUNCTIONS = {"torch_xla/_dynamo/deferred_backward.py": ["on_xla", "check_inputs_on_xla", "_inputs_synced_first"]}
 
 BRIDGE_EDITS: Edits = [
     (
