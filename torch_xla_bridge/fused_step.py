@@ -230,7 +230,7 @@ class DeferredForward(DeferredGraph):
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
         if self.pair.unfused_reason is not None:
-            grad_sync.sync(pending)
+            grad_sync.sync(pending, fresh=True)
             return
         _current_step()
         self.pair.launches_at_forward = _launches()
@@ -290,7 +290,7 @@ class StepEndGraph(DeferredGraph):
         if self.updates_inputs:
             end_step()
         elif not _open:
-            grad_sync.sync(pending)
+            grad_sync.sync(pending, fresh=True)
 
     def _run_upstream(self, args: list, reason: str) -> Any:
         end_step()

@@ -83,8 +83,12 @@ class _BackwardPass:
         sync(tensors)
 
 
-def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False) -> None:
+def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False, fresh: bool = False) -> None:
     """Materializes ``tensors`` in one execution, donating none of their old buffers.
+
+    ``fresh=True``: the tensors are a graph's new outputs, which have no old
+    buffers; the sync then donates like an execution of upstream's bridge
+    (only the buffers a user marked with ``dynamo_set_buffer_donor_``).
 
     The one place the package syncs a set of tensors. With
     ``sync_xla_data=True`` torch_xla would donate each synced tensor's current
@@ -96,7 +100,7 @@ def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False) -> None:
     tensor's IR by device data; the old buffer is freed with its last reader.
     """
     if tensors:
-        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=False)
+        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=fresh)
 
 
 # Keyed by the engine's graph-task id; values die with the task (see module docstring).

@@ -354,25 +354,12 @@ EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {
         "asserts the position of 'Graph Hash:' in the XLA_SAVE_TENSORS_FILE dump that upstream's bridge writes for "
         "its cached graph; the fused step runs as a torch_xla.sync(), whose dump is laid out differently",
 }
-# Failures of defects being fixed (keys as above), allowed by --check until
-# then; --check reports those that pass, so that they are removed.
-_CPU_INPUTS = "a graph whose inputs are all on the CPU raises instead of running unfused with upstream's warning (being fixed)"
+# Failures of defects not fixed yet (keys as above), allowed by --check; --check reports
+# those that pass, so that they are removed.
 KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {
-    **{
-        (mode, "test_bridge.py", f"__main__.TorchXLAReuseGraphTest.{name}"): _CPU_INPUTS
-        for mode in BACKEND_MODES
-        for name in ("test_index_flag_unsupported", "test_stack_flag_unsupported")
-    },
-    **{(mode, "test_dynamo.py", "__main__.DynamoErrorMessageTest.test_all_cpu_tensor"): _CPU_INPUTS for mode in BACKEND_MODES},
-    (_STEP, "test_dynamo.py", "__main__.DynamoLTCInteractionTest.test_copy_op0 ('openxla_fused_step')"):
-        "segfault: aten.copy_ into a graph input inside a deferred graph (being fixed)",
-    (_STEP, "test_dynamo.py", "__main__.DynamoProfilerTest.test_dynamo_with_trace"):
-        "the step's cut calls torch_xla.sync() inside the user's xp.Trace: 'Expecting scope to be empty but it is "
-        "build_graph.1' (being fixed: cut at the optimizer step)",
     (_STEP, "test_dynamo.py", "__main__.DynamoInferenceBasicTest.test_simple_model"):
-        "an inference graph cuts the step with torch_xla.sync(), which also materializes an unrelated pending tensor "
-        "the test created (being fixed: cut at the optimizer step); the test then asserts "
-        "DynamoSyncInputExecuteTime, an upstream-internal bridge metric",
+        "asserts DynamoSyncInputExecuteTime, an upstream-internal bridge counter, after an inference graph whose "
+        "input is pending",
     (_STEP, "test_dynamo.py", "__main__.DynamoCpuFallbackTest.test_fallback_multiple_submodules"):
         "ExecuteTime 6 != 5: one execution more than upstream for a graph with a CPU-fallback op, which runs "
         "through upstream's path after the step is cut (not diagnosed)",
