@@ -60,7 +60,8 @@ def _runs_as_upstream(backend: str, example_inputs: Sequence[Any]) -> bool:
     them on the CPU), and compiled autograd's backward graphs."""
     from . import dynamo_bridge
 
-    return not dynamo_bridge.on_xla(example_inputs) or _compiled_autograd_graph(backend)
+    # Compiled autograd first: its graph takes its tensors in a list, so it shows no XLA input.
+    return _compiled_autograd_graph(backend) or not dynamo_bridge.on_xla(example_inputs)
 
 
 def _compiled_autograd_graph(backend: str) -> bool:
