@@ -245,6 +245,17 @@ def test_executions_per_step_on_the_patched_copy(patched_root):
     assert results["set_to_none=False, compiled optimizer"]["unfused"]["grad_pending_after_backward"] is True
 
 
+def test_check_fails_where_a_file_ran_no_test():
+    """An import error in every mode adds no failure against upstream; --check must still fail."""
+    broken = suite.FileResult(outcomes={"test_bridge.py (import)": "error"}, tail="ModuleNotFoundError: xmlrunner")
+    passing = suite.FileResult(outcomes={"__main__.T.test_a": "ok"})
+    unexpected, _ = suite.unexpected_failures({"upstream": {"test_bridge.py": broken},
+                                               "patched": {"test_bridge.py": broken}})
+    assert len(unexpected) == 2 and all("no test ran" in u and "xmlrunner" in u for u in unexpected), unexpected
+    assert suite.unexpected_failures({"upstream": {"test_bridge.py": passing},
+                                      "patched": {"test_bridge.py": passing}}) == ([], [])
+
+
 # Upstream test files small enough for the suite (about 15 s each per mode on a 2-core
 # machine), that exercise the bridge with forward, backward and inference graphs.
 SUBSET = ("test_dynamo_aliasing.py", "test_dynamo_integrations_util.py", "test_bridge.py")
@@ -263,7 +274,9 @@ def test_upstream_suite_subset_in_every_mode(tmp_path):
         [sys.executable, str(UPSTREAM / "run_upstream_suite.py"), "--checkout", str(checkout),
          *([] if (checkout / suite.TEST_DIR).is_dir() else ["--ref", "v2.9.0"]),
          "--files", ",".join(SUBSET), "--json", str(out), "--check", "--timeout", "600"],
-        capture_output=True, text=True, timeout=1200,
+        # CI set as CI machines set it: torch's run_tests() then wants xmlrunner, and every
+        # file failed at import in every mode alike, which --check did not see.
+        capture_output=True, text=True, timeout=1200, env=dict(os.environ, CI="true"),
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
