@@ -1,0 +1,172 @@
+"""Every private torch and torch_xla API the package relies on: one place, checked at import.
+
+The package is written against torch and torch_xla as pinned in
+:mod:`torch_xla_bridge.names`. Their underscored APIs can change in any
+release, so each one is bound here (and nowhere else), and a missing one
+fails this module's import with an ImportError naming the version the
+package needs, instead of failing mid-training with an AttributeError.
+
+torch_xla is optional at import: registration (``backend.py``) works
+without it, and ``backend.require_torch_xla`` says how to install it when a
+graph is compiled. The mechanism modules import the torch_xla names below
+only when a graph is compiled.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch._functorch._aot_autograd.runtime_wrappers as _aot_runtime
+from torch._dynamo import compiled_autograd as _compiled_autograd
+from torch._dynamo.backends import registry as _registry
+
+from .names import TORCH_VERSION, TORCH_XLA_INSTALL, TORCH_XLA_VERSION
+
+
+def _missing(owner: str, version: str, found: str, what: str) -> ImportError:
+    return ImportError(
+        f"torch_xla_bridge needs {owner}=={version} (found {found}): {what}. "
+        f"Install the pinned releases: `pip install torch=={TORCH_VERSION}` and `{TORCH_XLA_INSTALL}`."
+    )
+
+
+def _bind(owner_name: str, version: str, found: str, obj: Any, path: str) -> Any:
+    """``obj.<path>`` (dotted), or an ImportError naming the release it is written against."""
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise _missing(owner_name, version, found, f"{path} is missing")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _torch(path: str, obj: Any = torch) -> Any:
+    return _bind("torch", TORCH_VERSION, torch.__version__, obj, path)
+
+
+# --- torch: the autograd engine -----------------------------------------------
+
+AccumulateGrad: type = _torch("_C._functions.AccumulateGrad")
+current_graph_task_id: Callable[[], int] = _torch("_C._current_graph_task_id")
+current_autograd_node: Callable[[], Optional[torch.autograd.graph.Node]] = _torch("_C._current_autograd_node")
+queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
+
+
+# --- torch: dynamo and AOTAutograd ----------------------------------------------
+
+_COMPILER_FNS: dict = _torch("_COMPILER_FNS", _registry)
+_BACKENDS: dict = _torch("_BACKENDS", _registry)
+
+
+def backend_known(name: str) -> bool:
+    """Whether dynamo already has ``name``: registered, or discovered as an entry point (loaded on lookup)."""
+    return name in _COMPILER_FNS or _BACKENDS.get(name) is not None
+
+
+def in_compiled_autograd_region() -> bool:
+    """True while compiled autograd traces (or runs) a backward graph."""
+    return bool(_compiled_autograd.in_compiled_autograd_region)
+
+
+_torch("in_compiled_autograd_region", _compiled_autograd)
+_TracingContext = _torch("_guards.TracingContext")
+
+
+def aot_fw_metadata() -> Any:
+    """AOTAutograd's ``ViewAndMutationMeta`` for the graph being compiled, if it is available."""
+    return getattr(_TracingContext.try_get(), "fw_metadata", None)
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _double_backward_forward_code() -> types.CodeType:
+    """The code of AOTAutograd's ``CompiledFunctionBackward.forward(double_ctx, *unused_args)``.
+
+    AOTAutograd runs a backward for ``create_graph=True`` from the forward of
+    that autograd.Function, where grad mode is off, so grad mode cannot tell
+    such a call from a plain backward; that function's frame on the stack
+    can. Found by identity of its code object (a constant nested in
+    ``AOTDispatchAutograd``), so a change in torch fails here, at import.
+    """
+    found = {
+        code
+        for fn in vars(_aot_runtime.AOTDispatchAutograd).values()
+        if isinstance(fn, (staticmethod, classmethod, types.FunctionType))
+        for code in _code_objects(getattr(fn, "__func__", fn).__code__)
+        if code.co_name == "forward" and code.co_varnames[:1] == ("double_ctx",)
+    }
+    if len(found) != 1:
+        raise _missing("torch", TORCH_VERSION, torch.__version__,
+                       f"AOTAutograd's double-backward function was found {len(found)} times, not once")
+    return found.pop()
+
+
+_DOUBLE_BACKWARD_FORWARD = _double_backward_forward_code()
+
+
+def in_aot_double_backward(max_depth: int = 12) -> bool:
+    """True when AOTAutograd runs the calling backward graph for ``create_graph=True``."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code is _DOUBLE_BACKWARD_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# --- torch_xla ------------------------------------------------------------------
+
+try:
+    import torch_xla
+except ImportError as e:  # registration works without it; see backend.require_torch_xla
+    torch_xla = None
+    TORCH_XLA_IMPORT_ERROR: Optional[ImportError] = e
+else:
+    TORCH_XLA_IMPORT_ERROR = None
+    import torch_xla.core.xla_builder as _xb
+    import torch_xla.core.xla_model as _xm
+    import torch_xla.experimental.eager as _eager
+    from torch_xla._dynamo import config as dynamo_config
+
+    def _xla(path: str, obj: Any = torch_xla) -> Any:
+        return _bind("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__, obj, path)
+
+    _XLAC = _xla("_XLAC")
+    # Lazy tensors: pending IR, syncs, counters.
+    need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
+    sync_multi: Callable[..., None] = _xla("_xla_sync_multi", _XLAC)
+    increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
+    warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
+    tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
+    # Embedding a lowered graph: placeholders, lowering, one user computation per call.
+    user_computation: Callable[[str, list, Any], list] = _xla("_xla_user_computation", _XLAC)
+    LoweringContext: type = _xla("lowering.LoweringContext", _XLAC)
+    create_placeholder_tensor: Callable[..., torch.Tensor] = _xla("create_placeholder_tensor", _xb)
+    computation_from_module_proto: Callable[[str, bytes], Any] = _xla("computation_from_module_proto", _xb)
+    eager_mode_context: Callable[[bool], Any] = _xla("eager_mode_context", _eager)
+    is_eager_mode: Callable[[], bool] = _xla("is_eager_mode", _eager)
+    # Random numbers.
+    base_seed_tensor: Callable[[str], torch.Tensor] = _xla("_get_base_seed_as_tensor", _XLAC)
+    _get_rng_seed = _xla("_xla_get_rng_seed", _XLAC)
+    # SPMD.
+    sharding_spec: Callable[[torch.Tensor], str] = _xla("_get_xla_sharding_spec", _XLAC)
+    op_sharding: Callable[[torch.Tensor], Any] = _xla("_get_xla_op_sharding", _XLAC)
+    mark_sharding: Callable[[torch.Tensor, Any], None] = _xla("_xla_mark_sharding", _XLAC)
+    _xla("skip_input_data_check", dynamo_config)
+
+    def advance_rng_seed(device: str) -> None:
+        """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).
+
+        The formula is the lazy graph executor's (C++, not exposed to Python);
+        test_autograd_semantics checks it against ``torch_xla.sync()``.
+        """
+        _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)

@@ -1,0 +1,32 @@
+"""Names and pins: the one home of every string the package and its users agree on.
+
+A leaf module: it imports nothing, so registration, mechanisms, the explain
+tool, benchmarks, tests, examples and ``setup.py`` (which reads it without
+importing the package) all take their names from here.
+"""
+
+# Backends this package registers, and the upstream backend they extend.
+BACKEND_NAME = "openxla_fused_grad"
+STEP_BACKEND_NAME = "openxla_fused_step"
+UPSTREAM_BACKEND_NAME = "openxla"
+BACKEND_NAMES = (BACKEND_NAME, STEP_BACKEND_NAME)
+
+# The releases the package is written against (private APIs included, see _private.py).
+TORCH_VERSION = "2.9.0"
+TORCH_XLA_VERSION = "2.9.0"
+TORCH_XLA_INSTALL = f"pip install torch_xla=={TORCH_XLA_VERSION}"
+
+# torch_xla counters this package bumps (shown by metrics_report()):
+SYNC_COUNTER = "OpenxlaFusedGradSync"  # every end-of-backward sync of openxla_fused_grad
+STEP_COUNTER = "OpenxlaFusedStepSync"  # every step openxla_fused_step cuts
+# Every compile that only validates a new lowering: it shows in UncachedCompile but launches nothing.
+VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
+
+# torch_xla's own counters and metrics that the package reads, or bumps as upstream does:
+INPUT_SYNC_COUNTER = "DynamoSyncInputExecuteTime"  # a graph's pending inputs synced before it runs
+COMPILE_COUNTERS = ("UncachedCompile", "CachedCompile")  # one per sync of a non-empty graph
+# Executions: single-device programs, and (under SPMD) replicated ones.
+EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
+
+# The name of the XLA computation a deferred graph is embedded as.
+USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
