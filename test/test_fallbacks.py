@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torch_xla_bridge.dynamo_bridge import DeferredBackward
+from torch_xla_bridge.deferred import DeferredGraph
 from xla_helpers import FUSED, FUSED_STEP, device, executions, mlp, pending
 
 
@@ -58,8 +58,8 @@ class LogGamma(nn.Module):
 
 
 def test_cpu_fallback_op_in_backward_falls_back_with_one_warning():
-    probe = DeferredBackward._probe
-    with mock.patch.object(DeferredBackward, "_probe", autospec=True, side_effect=probe) as probed:
+    probe = DeferredGraph._probe
+    with mock.patch.object(DeferredGraph, "_probe", autospec=True, side_effect=probe) as probed:
         assert_falls_back_once(LogGamma, "CPU fallback): aten::digamma", steps=3)
     assert probed.call_count == 1  # the verdict is cached per signature
 

@@ -127,12 +127,39 @@ def test_series_touches_the_bridge_config_and_tests_and_adds_the_modules(patched
     # Patch 1 is off by default, patch 2 turns it on: the series ends on.
     config = (patched_root / "torch_xla/_dynamo/config.py").read_text()
     assert "fused_backward = os.environ.get('XLA_DYNAMO_FUSED_GRAD', '1') != '0'" in config
-    # The shared implementation: the patched module is the package's module with the listed edits, yapf-formatted.
-    rel = "torch_xla/_dynamo/grad_sync.py"
-    source, edits = make_patch.EDITS[rel]
-    ours = (ROOT / "torch_xla_bridge" / source).read_text()
-    theirs = (patched_root / rel).read_text()
-    assert theirs == make_patch.yapf_format(make_patch.apply_edits(ours, edits, rel))
+    # The shared implementation: each new module is generated from the package's module, and
+    # keeps every one of its top-level functions and classes.
+    for rel, (source, glue) in make_patch.NEW_MODULES.items():
+        theirs = (patched_root / rel).read_text()
+        assert theirs == make_patch.yapf_format(make_patch.upstream_module(source, glue)), rel
+        assert _top_level_names(ROOT / "torch_xla_bridge" / source) <= _top_level_names(patched_root / rel), rel
+        assert "torch_xla_bridge" not in theirs, rel
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_the_series_survives_edits_to_the_packages_docstrings_and_comments(tmp_path, monkeypatch):
+    """Generated from the syntax tree, not from exact strings: rewording the package's
+    docstrings and comments changes the upstream modules' text, nothing else."""
+    package = tmp_path / "torch_xla_bridge"
+    shutil.copytree(ROOT / "torch_xla_bridge", package)
+    for source, _ in make_patch.NEW_MODULES.values():
+        path = package / source
+        tree = ast.parse(path.read_text())
+        text = path.read_text()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and ast.get_docstring(node, clean=False):
+                doc = ast.get_docstring(node, clean=False)
+                text = text.replace(doc, doc + " Reworded.", 1)
+        text = re.sub(r"^(\s*)# ", r"\1# Reworded: ", text, flags=re.M)
+        path.write_text(text)
+    monkeypatch.setattr(make_patch, "PACKAGE", package)
+    for rel, (source, glue) in make_patch.NEW_MODULES.items():
+        module = make_patch.upstream_module(source, glue)
+        assert "# Reworded: " in module and "Reworded." in module, rel
+        compile(module, rel, "exec")
 
 
 def test_every_python_file_the_series_leaves_is_yapf_clean(patched_root):

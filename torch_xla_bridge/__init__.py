@@ -1,4 +1,4 @@
-"""torch_xla_bridge: the ``openxla_fused_grad`` backend for ``torch.compile``.
+"""torch_xla_bridge: the ``openxla_fused_grad`` and ``openxla_fused_step`` backends for ``torch.compile``.
 
 ``torch.compile(model, backend="openxla_fused_grad")`` trains like upstream
 ``openxla`` but runs the backward pass and the accumulation of every gradient
@@ -7,7 +7,8 @@ backend; after ``pip install`` the ``torch_dynamo_backends`` entry point makes
 the name resolvable without any import.
 """
 
-from .backend import BACKEND_NAME, STEP_BACKEND_NAME, openxla_fused_grad, openxla_fused_step, register
+from .backend import openxla_fused_grad, openxla_fused_step, register
+from .names import BACKEND_NAME, STEP_BACKEND_NAME
 
 __all__ = ["BACKEND_NAME", "STEP_BACKEND_NAME", "openxla_fused_grad", "openxla_fused_step", "register"]
 __version__ = "0.1.0"

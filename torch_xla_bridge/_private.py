@@ -103,8 +103,10 @@ def _double_backward_forward_code() -> types.CodeType:
         if code.co_name == "forward" and code.co_varnames[:1] == ("double_ctx",)
     }
     if len(found) != 1:
-        raise _missing("torch", TORCH_VERSION, torch.__version__,
-                       f"AOTAutograd's double-backward function was found {len(found)} times, not once")
+        raise ImportError(
+            f"AOTAutograd's CompiledFunctionBackward.forward(double_ctx, ...) was found {len(found)} times, "
+            f"not once, in torch {torch.__version__}; this code is written against torch {TORCH_VERSION}"
+        )
     return found.pop()
 
 
@@ -140,10 +142,11 @@ else:
     def _xla(path: str, obj: Any = torch_xla) -> Any:
         return _bind("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__, obj, path)
 
-    _XLAC = _xla("_XLAC")
-    # Lazy tensors: pending IR, syncs, counters.
+    XLAC = _XLAC = _xla("_XLAC")
+    # Called as XLAC._xla_sync_multi, looked up per call: the explain tool wraps it while it records.
+    _xla("_xla_sync_multi", _XLAC)
+    # Lazy tensors: pending IR, counters.
     need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
-    sync_multi: Callable[..., None] = _xla("_xla_sync_multi", _XLAC)
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
     tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
@@ -166,7 +169,6 @@ else:
     def advance_rng_seed(device: str) -> None:
         """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).
 
-        The formula is the lazy graph executor's (C++, not exposed to Python);
-        test_autograd_semantics checks it against ``torch_xla.sync()``.
+        The formula is the lazy graph executor's (C++, not exposed to Python).
         """
         _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)

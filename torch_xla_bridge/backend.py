@@ -1,17 +1,28 @@
-"""Registration of ``openxla_fused_grad`` and its AOTAutograd wiring.
+"""Registration of ``openxla_fused_grad`` and ``openxla_fused_step``, and their AOTAutograd wiring.
 
-The backend is upstream ``openxla`` with a backward compiler of our own: the
-forward runs through torch_xla's dynamo bridge unchanged, the backward is
-deferred (see :mod:`torch_xla_bridge.dynamo_bridge`) and synced together with
-the gradient accumulation by one autograd engine callback (see
-:mod:`torch_xla_bridge.grad_sync`). Both backends trace their graphs with
-:mod:`torch_xla_bridge.decompositions`, which replaces ops whose torch_xla
-lowering disagrees with eager PyTorch (dropout's scale, BatchNorm's running
-variance).
+Both backends are upstream ``openxla`` with compilers of their own, wired
+into AOTAutograd here; the mechanisms live below (each module imports only
+modules listed after it):
 
-This module imports only torch, so that dynamo can list the backend (and the
-entry point can load it) on a machine without torch_xla; torch_xla is imported
-when a graph is compiled.
+- :mod:`.fused_step`: the step policy of ``openxla_fused_step`` (when the
+  step is cut, what joins it);
+- :mod:`.deferred`: a graph run as one pending XLA node (lowering,
+  embedding, validation, fallback);
+- :mod:`.dynamo_bridge`: the upstream (unfused) path through torch_xla's
+  bridge, with its SPMD handling;
+- :mod:`.grad_sync`: the one sync, and the end-of-backward engine callback;
+- :mod:`.counting`, :mod:`._private`, :mod:`.names`: counting executions,
+  private torch/torch_xla APIs, names and pins.
+
+``openxla_fused_grad``: forwards run through upstream's bridge, the backward
+is deferred and synced with the ``.grad`` accumulation by one engine
+callback. ``openxla_fused_step``: every graph is deferred until the step is
+cut. Both trace with :mod:`.decompositions`, which replaces ops whose
+torch_xla lowering disagrees with eager PyTorch.
+
+Registration works without torch_xla (dynamo can list the backends, the
+entry point can load them); the mechanisms are imported when a graph is
+compiled, after :func:`require_torch_xla`.
 """
 
 from __future__ import annotations
@@ -25,20 +36,72 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from . import decompositions
+from . import _private, decompositions
+from .names import BACKEND_NAME, STEP_BACKEND_NAME, TORCH_XLA_INSTALL
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "openxla_fused_grad"
-STEP_BACKEND_NAME = "openxla_fused_step"
-TORCH_XLA_INSTALL = "pip install torch_xla==2.9.0"
+
+def register() -> None:
+    """Makes ``backend="openxla_fused_grad"`` and ``"openxla_fused_step"`` resolvable; safe to call repeatedly.
+
+    When dynamo has already discovered our ``torch_dynamo_backends`` entry
+    point it registers the backend itself on first lookup (registering it here
+    too would trip dynamo's duplicate-name check), so only the name's absence
+    from both tables leads to registering here.
+    """
+    for name, compiler_fn in _BACKENDS.items():
+        if not _private.backend_known(name):
+            register_backend(compiler_fn=compiler_fn, name=name)
 
 
-def require_torch_xla(backend: str = BACKEND_NAME) -> None:
+def openxla_fused_grad(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+) -> Callable[..., Any]:
+    """Dynamo backend: upstream ``openxla`` forward, backward fused with ``.grad`` accumulation.
+
+    Invariant: every backward pass that runs at least one graph compiled here
+    ends with exactly one ``_xla_sync_multi`` call, made after the last
+    AccumulateGrad node, covering the ``.grad`` of every leaf those graphs feed.
+    """
+    upstream = _upstream_or_none(BACKEND_NAME, gm, example_inputs, **kwargs)
+    if upstream is not None:
+        return upstream
+    from . import deferred, dynamo_bridge, grad_sync
+
+    def bw_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[[list], Any]:
+        return deferred.DeferredGraph(
+            bw_gm, bw_inputs, backend=BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
+            kind="backward", on_pending=grad_sync.sync_at_end_of_backward,
+            upstream_reason=deferred.backward_reason, unfused_effect=deferred.UNFUSED_BACKWARD,
+        )
+
+    return aot_autograd(
+        fw_compiler=dynamo_bridge.compile_upstream, bw_compiler=bw_compiler, decompositions=decompositions.table
+    )(gm, example_inputs, **kwargs)
+
+
+def openxla_fused_step(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+) -> Callable[..., Any]:
+    """Dynamo backend: forward, backward, accumulation and optimizer as one XLA execution per step.
+
+    Invariant: no graph compiled here executes on its own; the step is cut
+    where :mod:`torch_xla_bridge.fused_step` says, and then runs as one
+    execution.
+    """
+    upstream = _upstream_or_none(STEP_BACKEND_NAME, gm, example_inputs, **kwargs)
+    if upstream is not None:
+        return upstream
+    from . import fused_step
+
+    return aot_autograd(**fused_step.compilers(), decompositions=decompositions.table)(gm, example_inputs, **kwargs)
+
+
+def require_torch_xla(backend: str) -> None:
     """Raises an ImportError naming the install command if torch_xla is missing."""
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError as e:
+    if _private.TORCH_XLA_IMPORT_ERROR is not None:
+        e = _private.TORCH_XLA_IMPORT_ERROR
         raise ImportError(
             f"backend={backend!r} needs torch_xla, which could not be imported "
             f"({e}). Install the release that matches torch {torch.__version__.split('+')[0]}: "
@@ -46,22 +109,28 @@ def require_torch_xla(backend: str = BACKEND_NAME) -> None:
         ) from e
 
 
-def _upstream_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-    """Upstream ``openxla``'s AOTAutograd wiring (with our decompositions): nothing deferred."""
+_BACKENDS = {BACKEND_NAME: openxla_fused_grad, STEP_BACKEND_NAME: openxla_fused_step}
+
+
+def _upstream_or_none(
+    backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+) -> "Callable[..., Any] | None":
+    """Checks the graph's inputs; for a graph this backend hands to upstream whole, upstream's
+    ``openxla`` wiring (with our decompositions), else None.
+
+    Handed over whole: compiled autograd's backward graphs (checked first: such
+    a graph takes its tensors in a list, so it shows no XLA input), and graphs
+    with no input on XLA (upstream warns and runs them on the CPU).
+    """
+    require_torch_xla(backend)
     from . import dynamo_bridge
 
+    dynamo_bridge.check_inputs_on_xla(gm, example_inputs, backend)
+    if not (_compiled_autograd_graph(backend) or not dynamo_bridge.on_xla(example_inputs)):
+        return None
     return aot_autograd(fw_compiler=dynamo_bridge.compile_upstream, decompositions=decompositions.table)(
         gm, example_inputs, **kwargs
     )
-
-
-def _runs_as_upstream(backend: str, example_inputs: Sequence[Any]) -> bool:
-    """Graphs this backend hands to upstream whole: no input on XLA (upstream warns and runs
-    them on the CPU), and compiled autograd's backward graphs."""
-    from . import dynamo_bridge
-
-    # Compiled autograd first: its graph takes its tensors in a list, so it shows no XLA input.
-    return _compiled_autograd_graph(backend) or not dynamo_bridge.on_xla(example_inputs)
 
 
 def _compiled_autograd_graph(backend: str) -> bool:
@@ -72,9 +141,7 @@ def _compiled_autograd_graph(backend: str) -> bool:
     of its own, and runs through upstream ``openxla`` (correct; an input sync,
     then the graph), not through the deferred backward.
     """
-    from torch._dynamo import compiled_autograd
-
-    if not compiled_autograd.in_compiled_autograd_region:
+    if not _private.in_compiled_autograd_region():
         return False
     _warn_compiled_autograd_once(backend)
     return True
@@ -89,61 +156,3 @@ def _warn_compiled_autograd_once(backend: str) -> None:
         f"(its pending inputs are synced in an execution of their own). Disable compiled autograd "
         f"for this backend to fuse it."
     )
-
-
-def openxla_fused_grad(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
-) -> Callable[..., Any]:
-    """Dynamo backend: upstream ``openxla`` forward, backward fused with ``.grad`` accumulation.
-
-    Invariant: every backward pass that runs at least one graph compiled here
-    ends with exactly one ``_xla_sync_multi`` call, made after the last
-    AccumulateGrad node, covering the ``.grad`` of every leaf those graphs feed.
-    """
-    require_torch_xla()
-    from . import dynamo_bridge
-
-    dynamo_bridge.check_inputs_on_xla(gm, example_inputs)
-    if _runs_as_upstream(BACKEND_NAME, example_inputs):
-        return _upstream_compile(gm, example_inputs, **kwargs)
-    return aot_autograd(
-        fw_compiler=dynamo_bridge.compile_upstream,
-        bw_compiler=dynamo_bridge.compile_deferred_backward,
-        decompositions=decompositions.table,
-    )(gm, example_inputs, **kwargs)
-
-
-def openxla_fused_step(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
-) -> Callable[..., Any]:
-    """Dynamo backend: forward, backward, accumulation and optimizer as one XLA execution per step.
-
-    Invariant: no graph compiled here executes on its own; the step is cut
-    where :mod:`torch_xla_bridge.fused_step` says, and then runs as one
-    execution.
-    """
-    require_torch_xla(STEP_BACKEND_NAME)
-    from . import dynamo_bridge, fused_step
-
-    dynamo_bridge.check_inputs_on_xla(gm, example_inputs, STEP_BACKEND_NAME)
-    if _runs_as_upstream(STEP_BACKEND_NAME, example_inputs):
-        return _upstream_compile(gm, example_inputs, **kwargs)
-    return aot_autograd(**fused_step.compilers(), decompositions=decompositions.table)(gm, example_inputs, **kwargs)
-
-
-_BACKENDS = {BACKEND_NAME: openxla_fused_grad, STEP_BACKEND_NAME: openxla_fused_step}
-
-
-def register() -> None:
-    """Makes ``backend="openxla_fused_grad"`` and ``"openxla_fused_step"`` resolvable; safe to call repeatedly.
-
-    When dynamo has already discovered our ``torch_dynamo_backends`` entry
-    point it registers the backend itself on first lookup (registering it here
-    too would trip dynamo's duplicate-name check), so only the name's absence
-    from both tables leads to registering here.
-    """
-    from torch._dynamo.backends import registry
-
-    for name, compiler_fn in _BACKENDS.items():
-        if name not in registry._COMPILER_FNS and registry._BACKENDS.get(name) is None:
-            register_backend(compiler_fn=compiler_fn, name=name)

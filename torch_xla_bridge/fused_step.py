@@ -1,6 +1,6 @@
 """The fused training step of ``openxla_fused_step``: one XLA execution per step.
 
-Every graph this backend compiles is deferred (:class:`DeferredGraph`): the
+Every graph this backend compiles is deferred (:class:`~torch_xla_bridge.deferred.DeferredGraph`): the
 forward's outputs, the saved activations included, are pending outputs of one
 embedded computation; the backward consumes them as another; the autograd
 engine's ``.grad`` accumulation and an eager optimizer's updates are lazy ops
@@ -43,54 +43,36 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import grad_sync
-from .backend import STEP_BACKEND_NAME as BACKEND_NAME
-from .dynamo_bridge import VALIDATION_COUNTER, DeferredBackward, DeferredGraph
+from . import _private, counting, deferred, dynamo_bridge, grad_sync
+from .deferred import DeferredGraph
+from .dynamo_bridge import boxed
+from .names import FORWARD_ALONE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
 
 log = logging.getLogger(__name__)
-
-# A torch_xla counter (shown by metrics_report()) bumped by every step this backend cuts.
-STEP_COUNTER = "OpenxlaFusedStepSync"
 
 
 def end_step() -> None:
     """Cuts the step: everything pending on the device runs as one execution (asynchronously)."""
-    torch_xla._XLAC._xla_increment_counter(STEP_COUNTER, 1)
+    counting.bump(STEP_COUNTER)
     # The cut can come from inside a user's profiler trace (xp.Trace around the step):
     # keep its IR scope, as upstream's bridge never resets one.
     torch_xla.sync(reset_scope=False)
-
-
-def _launches() -> int:
-    """Executions of pending IR launched so far in this process.
-
-    Every sync of a non-empty graph compiles it or finds it compiled
-    (``UncachedCompile`` / ``CachedCompile``) on the calling thread, so unlike
-    ``ExecuteTime`` these counters are exact the moment the sync returns, and
-    reading them costs well under a microsecond. Upstream's bridge clears
-    counters while it compiles a graph; a count that drops then can only hide
-    a launch from the checks below, never invent one. Compiles that only
-    validate a new lowering launch nothing and are not counted.
-    """
-    compiles = (met.counter_value("UncachedCompile") or 0) + (met.counter_value("CachedCompile") or 0)
-    return compiles - (met.counter_value(VALIDATION_COUNTER) or 0)
 
 
 @dataclasses.dataclass
 class _Pair:
     """State shared by the forward and backward graphs of one AOTAutograd compilation.
 
-    ``launches_at_forward`` / ``forward_outputs``: :func:`_launches` right
-    after the latest deferred forward, and its pending outputs (weakly). If,
-    at the backward, an execution ran since then and some of those outputs
-    are still pending, a read executed part of the forward, and the step will
-    compute it again. ``launches_at_backward``: :func:`_launches` right after
-    the step's first backward; more than one execution between it and the
-    step's cut means a read there. ``unfused_reason``: set once either was
-    seen; the forward then executes its outputs at once instead.
+    ``launches_at_forward`` / ``forward_outputs``: :func:`counting.launches`
+    right after the latest deferred forward, and its pending outputs (weakly).
+    If, at the backward, an execution ran since then and some of those
+    outputs are still pending, a read executed part of the forward, and the
+    step will compute it again. ``launches_at_backward``: launches right
+    after the step's first backward; more than one execution between it and
+    the step's cut means a read there. ``unfused_reason``: set once either
+    was seen; the forward then executes its outputs at once instead.
     """
 
     launches_at_forward: Optional[int] = None
@@ -104,7 +86,7 @@ class _Pair:
             return
         self.unfused_reason = reason
         warnings.warn(
-            f"{BACKEND_NAME}: {reason}, which computes the forward twice; from now on this graph's "
+            f"{STEP_BACKEND_NAME}: {reason}, which computes the forward twice; from now on this graph's "
             f"forward executes on its own (openxla_fused_grad behaviour), backward, accumulation and "
             f"optimizer stay fused. Read values (e.g. loss.item()) after the optimizer step or "
             f"torch_xla.sync() to keep one execution per step."
@@ -112,26 +94,57 @@ class _Pair:
 
     def forward_was_read(self) -> bool:
         """At the backward: an execution since the forward left some of its outputs pending."""
-        if self.launches_at_forward is None or _launches() == self.launches_at_forward:
+        if self.launches_at_forward is None or counting.launches() == self.launches_at_forward:
             return False
         alive = [t for t in (r() for r in self.forward_outputs) if t is not None]
         # A step cut materializes every live output; a read materializes only what it reads.
-        return bool(alive) and any(torch_xla._XLAC._check_tensor_need_materialization(alive))
+        return bool(alive) and any(_private.need_materialization(alive))
 
     def at_step_end(self) -> None:
         """At the step's cut: the cut is one execution; any other since the backward was a read."""
-        if self.launches_at_backward is not None and _launches() - self.launches_at_backward > 1:
+        if self.launches_at_backward is not None and counting.launches() - self.launches_at_backward > 1:
             self.unfuse("a value was read (an XLA execution ran) between its backward and the end of the step")
         self.launches_at_backward = None
 
     def check_uncut_step(self) -> None:
         """At the next forward: the previous step ran, but was never cut (no step closure ran)."""
-        if self.launches_at_backward is not None and _launches() > self.launches_at_backward:
+        if self.launches_at_backward is not None and counting.launches() > self.launches_at_backward:
             self.unfuse(
                 "the step after its backward was executed by something other than torch_xla.sync() or a "
                 "graph of this backend (e.g. an optimizer compiled with another backend, or a read)"
             )
         self.launches_at_backward = None
+
+    # --- the forward's and the backward's policies ---
+
+    def before_forward(self, args: list) -> None:
+        """Parameters never carry a previous step's IR into a forward; an uncut step is noticed."""
+        if _pending_parameters(args):
+            log.debug("parameters hold pending updates at a forward: syncing the previous step first")
+            end_step()
+        self.check_uncut_step()
+
+    def forward_pending(self, pending: list[torch.Tensor]) -> None:
+        """``on_pending`` of the forward: join the step, or (unfused) execute on its own at once."""
+        if self.unfused_reason is not None:
+            counting.bump(FORWARD_ALONE_COUNTER)
+            grad_sync.sync(pending, fresh=True)
+            return
+        _current_step()
+        self.launches_at_forward = counting.launches()
+        self.forward_outputs = [weakref.ref(t) for t in pending]
+
+    def before_backward(self) -> None:
+        if self.forward_was_read():
+            self.unfuse("a value was read (an XLA execution ran) between its forward and backward")
+        self.launches_at_forward = None
+        self.forward_outputs = []
+
+    def after_backward(self) -> None:
+        """The step's first backward of this pair: watch for reads until the cut."""
+        if self.unfused_reason is None and self.launches_at_backward is None:
+            self.launches_at_backward = counting.launches()
+            _current_step().pairs[id(self)] = self
 
 
 class _Step:
@@ -195,7 +208,7 @@ def _pending_parameters(args: Sequence[Any]) -> bool:
     # Parameters only: a checkpointed block's recomputation gets its input as a
     # detached leaf that requires grad and is pending, which is no update.
     params = [a for a in args if isinstance(a, torch.nn.Parameter)]
-    return any(torch_xla._XLAC._check_tensor_need_materialization(params)) if params else False
+    return any(_private.need_materialization(params)) if params else False
 
 
 def _in_training(args: Sequence[Any]) -> bool:
@@ -207,96 +220,6 @@ def _in_training(args: Sequence[Any]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter) for a in args)
 
 
-class DeferredForward(DeferredGraph):
-    """A training forward embedded into the step; its parameters never carry a previous step's IR.
-
-    Invariant: its outputs are computed once per call, in the step's one
-    execution, or (after a read between forward and backward was seen) in an
-    execution of their own right away.
-    """
-
-    unfused_effect = "it executes on its own; backward, accumulation and optimizer stay fused"
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pair: _Pair) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME, validate=True)
-        self.pair = pair
-
-    def __call__(self, args: list) -> Any:
-        if _pending_parameters(args):
-            log.debug("parameters hold pending updates at a forward: syncing the previous step first")
-            end_step()
-        self.pair.check_uncut_step()
-        return super().__call__(args)
-
-    def _deferred(self, pending: list[torch.Tensor]) -> None:
-        if self.pair.unfused_reason is not None:
-            grad_sync.sync(pending, fresh=True)
-            return
-        _current_step()
-        self.pair.launches_at_forward = _launches()
-        self.pair.forward_outputs = [weakref.ref(t) for t in pending]
-
-
-class StepBackward(DeferredBackward):
-    """The backward of a fused step: deferred, synced by the step's cut, never at the end of the pass.
-
-    It watches for reads between its forward and itself, and between itself
-    and the step's cut (its step's closure); if one happened, the forward is
-    switched to executing on its own from the next call on, with one warning.
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pair: _Pair) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME, sync_at_end=False, validate=True)
-        self.pair = pair
-
-    def __call__(self, args: list) -> Any:
-        pair = self.pair
-        if pair.forward_was_read():
-            pair.unfuse("a value was read (an XLA execution ran) between its forward and backward")
-        pair.launches_at_forward = None
-        pair.forward_outputs = []
-        outs = super().__call__(args)
-        if pair.unfused_reason is None and pair.launches_at_backward is None:
-            pair.launches_at_backward = _launches()
-            _current_step().pairs[id(pair)] = pair
-        return outs
-
-
-class StepEndGraph(DeferredGraph):
-    """A graph that needs no backward: an optimizer step joins the step and ends it; others join it.
-
-    Invariant: a graph that updates its inputs in place (a compiled
-    ``optimizer.step``) makes exactly one :func:`end_step` per call, after its
-    own work is part of the pending step (fused) or before it runs (upstream
-    path, so that upstream's own input sync finds nothing left to run). Any
-    other such graph joins a pending step of this backend, or, with none
-    pending, executes its own outputs (and nothing else) at once. One whose
-    inputs carry autograd history opens the step (see :func:`_in_training`).
-    """
-
-    kind = "no-backward"
-    unfused_effect = "the step is synced before it, and it executes on its own"
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], updates_inputs: bool) -> None:
-        super().__init__(gm, example_inputs, BACKEND_NAME, validate=True)
-        self.updates_inputs = updates_inputs
-
-    def __call__(self, args: list) -> Any:
-        if not self.updates_inputs and _in_training(args):
-            _current_step()
-        return super().__call__(args)
-
-    def _deferred(self, pending: list[torch.Tensor]) -> None:
-        if self.updates_inputs:
-            end_step()
-        elif not _open:
-            grad_sync.sync(pending, fresh=True)
-
-    def _run_upstream(self, args: list, reason: str) -> Any:
-        end_step()
-        return super()._run_upstream(args, reason)
-
-
 def _updates_inputs() -> bool:
     """While AOTAutograd compiles an inference graph: whether it writes into one of its inputs.
 
@@ -305,19 +228,93 @@ def _updates_inputs() -> bool:
     the step as upstream's execution would. Read from AOTAutograd's metadata
     for the graph being compiled; where that is unavailable, assume it does.
     """
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
+    meta = _private.aot_fw_metadata()
     if meta is None:
         return True
     return any(info.mutates_data for info in meta.input_info)
 
 
-def compilers() -> dict[str, Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[[list], Any]]]:
-    """The forward, backward and inference compilers for one AOTAutograd compilation."""
+def _end_step_then(pending: list[torch.Tensor]) -> None:
+    """``on_pending`` of a graph that updates its inputs: its work is part of the step, which it ends."""
+    end_step()
+
+
+def _join_step_or_sync(pending: list[torch.Tensor]) -> None:
+    """``on_pending`` of a no-backward graph that updates nothing: join an open step, else execute at once."""
+    if not _open:
+        counting.bump(FORWARD_ALONE_COUNTER)
+        grad_sync.sync(pending, fresh=True)
+
+
+def _compile_upstream_after_cut(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+    """The upstream path for a no-backward graph: the step is cut first, so that upstream's
+    own input sync finds nothing left to run."""
+    compiled = dynamo_bridge.compile_upstream(gm, example_inputs)
+
+    def run_after_cut(args: list) -> Any:
+        end_step()
+        return compiled(args)
+
+    return boxed(run_after_cut)
+
+
+def compilers() -> dict[str, deferred.Compiler]:
+    """The forward, backward and inference compilers for one AOTAutograd compilation.
+
+    Invariants: a training forward is computed once per call, in the step's
+    one execution, or (after a read between forward and cut was seen) in an
+    execution of its own right away; a backward is synced by the step's cut,
+    never at the end of its pass; a graph that updates its inputs in place (a
+    compiled ``optimizer.step``) makes exactly one :func:`end_step` per call,
+    after its own work joined the step (fused) or before it runs (upstream
+    path); any other no-backward graph joins a pending step, or, with none
+    pending, executes its own outputs (and nothing else) at once; one whose
+    inputs carry autograd history opens the step (see :func:`_in_training`).
+    """
     _register_optimizer_hook()
     pair = _Pair()
-    return dict(
-        fw_compiler=lambda gm, example_inputs: DeferredForward(gm, example_inputs, pair),
-        bw_compiler=lambda gm, example_inputs: StepBackward(gm, example_inputs, pair),
-        inference_compiler=lambda gm, example_inputs: StepEndGraph(gm, example_inputs, _updates_inputs()),
-    )
+
+    def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+        graph = DeferredGraph(
+            gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
+            on_pending=pair.forward_pending, validate=True,
+            unfused_effect="it executes on its own; backward, accumulation and optimizer stay fused",
+        )
+
+        def step_forward(args: list) -> Any:
+            pair.before_forward(args)
+            return graph(args)
+
+        return boxed(step_forward)
+
+    def bw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+        graph = DeferredGraph(
+            gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
+            kind="backward", upstream_reason=deferred.backward_reason,
+            unfused_effect=deferred.UNFUSED_BACKWARD, validate=True,
+        )
+
+        def step_backward(args: list) -> Any:
+            pair.before_backward()
+            outs = graph(args)
+            pair.after_backward()
+            return outs
+
+        return boxed(step_backward)
+
+    def inference_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+        common = dict(backend=STEP_BACKEND_NAME, kind="no-backward", validate=True,
+                      upstream_compiler=_compile_upstream_after_cut,
+                      unfused_effect="the step is synced before it, and it executes on its own")
+        if _updates_inputs():
+            return DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
+        graph = DeferredGraph(gm, example_inputs, on_pending=_join_step_or_sync, **common)
+
+        def join_step(args: list) -> Any:
+            if _in_training(args):
+                _current_step()
+            return graph(args)
+
+        return boxed(join_step)
+
+    return dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler)

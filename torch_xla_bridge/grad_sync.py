@@ -1,7 +1,7 @@
 """The engine callback and the one sync that ends a backward pass.
 
-A deferred backward graph (:mod:`torch_xla_bridge.dynamo_bridge`) returns
-pending XLA tensors; the autograd engine then accumulates them into ``.grad``
+A deferred backward graph (:mod:`torch_xla_bridge.deferred`) returns pending
+XLA tensors; the autograd engine then accumulates them into ``.grad``
 lazily. :func:`sync_at_end_of_backward` queues one callback per backward pass,
 which the engine runs after its last AccumulateGrad node. That callback
 materializes, in exactly one ``_xla_sync_multi`` call, the ``.grad`` of every
@@ -16,6 +16,9 @@ consumed, with no registry to go stale.
 Per-pass state lives in :class:`_BackwardPass`, which is strongly referenced
 only by the callback the engine holds: it dies with the engine's graph task,
 whether the pass completes or raises, so a failed backward leaves nothing behind.
+
+Under SPMD each ``.grad`` is pinned to its parameter's sharding before the
+sync (:func:`keep_param_shardings`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,12 @@ import weakref
 from typing import Optional, Sequence
 
 import torch
-import torch_xla
+import torch_xla.runtime as xr
 
-from . import spmd
+from . import _private
+from .names import SYNC_COUNTER
 
 log = logging.getLogger(__name__)
-
-# A torch_xla counter (shown by metrics_report()) bumped by every end-of-backward sync.
-SYNC_COUNTER = "OpenxlaFusedGradSync"
-
-_AccumulateGrad = torch._C._functions.AccumulateGrad
 
 
 class _BackwardPass:
@@ -54,18 +53,17 @@ class _BackwardPass:
     def tensors_to_sync(self) -> list[torch.Tensor]:
         # Every leaf of a graph compiled by this backend is on XLA (checked at
         # compile time), so no device test; two graphs may share a leaf, and an
-        # output may be a .grad itself, hence the deduplication. Under SPMD each
-        # .grad is pinned to its parameter's sharding before the sync.
+        # output may be a .grad itself, hence the deduplication.
         tensors: dict[int, torch.Tensor] = {}
         leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
         for node in self.nodes:
             for fn, _ in node.next_functions:
-                if type(fn) is _AccumulateGrad:
+                if type(fn) is _private.AccumulateGrad:
                     grad = fn.variable.grad
                     if grad is not None:
                         leaves.append((fn.variable, grad))
                         tensors[id(grad)] = grad
-        spmd.keep_param_shardings(leaves)
+        keep_param_shardings(leaves)
         for ref in self.outputs:
             t = ref()
             if t is not None:
@@ -77,7 +75,7 @@ class _BackwardPass:
         tensors = self.tensors_to_sync()
         self.nodes.clear()
         self.outputs.clear()
-        torch_xla._XLAC._xla_increment_counter(SYNC_COUNTER, 1)
+        _private.increment_counter(SYNC_COUNTER, 1)
         # Asynchronous: the host goes on tracing (the optimizer, the next step)
         # while the device runs backward + accumulation; readers wait as usual.
         sync(tensors)
@@ -100,7 +98,27 @@ def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False, fresh: bool = F
     tensor's IR by device data; the old buffer is freed with its last reader.
     """
     if tensors:
-        torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=fresh)
+        _private.XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=fresh)
+
+
+def keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Makes each pending ``grad`` come out of its execution sharded like its ``param``.
+
+    ``leaves`` holds ``(param, grad)`` pairs. Nothing in the backward pins the
+    sharding of a gradient, so without this the partitioner picks one (e.g. a
+    ``[4,1]``-sharded weight got a ``[1,4]`` gradient, a sharded bias a
+    replicated one); annotated here, before the sync, the partitioner produces
+    it in its parameter's layout inside the same execution. A no-op without
+    SPMD (checked once per call: this runs on every backward), for an
+    unsharded parameter, and where the shardings already agree (every step
+    after the first, for an accumulated ``.grad``).
+    """
+    if not leaves or not xr.is_spmd():
+        return
+    for param, grad in leaves:
+        spec = _private.sharding_spec(param)
+        if spec and spec != _private.sharding_spec(grad):
+            _private.mark_sharding(grad, _private.op_sharding(param))
 
 
 # Keyed by the engine's graph-task id; values die with the task (see module docstring).
@@ -114,7 +132,7 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
     Outside an autograd engine pass (nothing to wait for) the outputs are
     synced at once.
     """
-    task_id = torch._C._current_graph_task_id()
+    task_id = _private.current_graph_task_id()
     if task_id < 0:
         sync(outputs)
         return
@@ -122,8 +140,8 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
     if state is None:
         state = _BackwardPass()
         _passes[task_id] = state
-        torch.autograd.Variable._execution_engine.queue_callback(state.end_of_backward)
-    state.add(torch._C._current_autograd_node(), outputs)
+        _private.queue_engine_callback(state.end_of_backward)
+    state.add(_private.current_autograd_node(), outputs)
 
 
 def live_backward_passes() -> int:

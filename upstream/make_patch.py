@@ -2,10 +2,13 @@
 
 One implementation, two packagings: the series' new modules
 ``torch_xla/_dynamo/grad_sync.py`` and ``torch_xla/_dynamo/deferred_backward.py``
-are ``torch_xla_bridge/grad_sync.py`` and ``torch_xla_bridge/dynamo_bridge.py``
-with the few edits listed in :data:`EDITS` (names, imports, the unfused
-fallback), each of which must match exactly once, then formatted with yapf
-and upstream's ``.style.yapf`` (upstream's linter). The hunks in upstream's
+are generated from ``torch_xla_bridge/grad_sync.py`` and
+``torch_xla_bridge/deferred.py`` by rewriting what the syntax tree shows (see
+:mod:`upstream_module`): the package's own imports (names become constants,
+private-API bindings become the torch_xla attributes they bind, helpers are
+copied in), plus upstream-only code from a real file (``glue/``); then
+formatted with yapf and upstream's ``.style.yapf`` (upstream's linter). No
+exact string of the package's source is relied on. The hunks in upstream's
 files are the glue in :data:`BRIDGE_EDITS` and :data:`CONFIG_EDITS` (patch 1:
 the mechanism, off by default) and :data:`CONFIG_DEFAULT_ON_EDITS` and
 :data:`TEST_DYNAMO_EDITS` (patch 2: on by default, upstream's tests get the
@@ -29,9 +32,11 @@ import dataclasses
 import difflib
 import hashlib
 import importlib.metadata
+import importlib.util
 import pathlib
 import re
 import sys
+import textwrap
 from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -42,118 +47,30 @@ UPSTREAM_VERSION = "2.9.0"
 # (old, new): plain substitutions, each required to match exactly once.
 Edits = list[tuple[str, str]]
 
-_DEFERRED_DOC = '''"""Runs AOTAutograd backward graphs as one pending XLA node, fused with ``.grad`` accumulation.
-
-With ``openxla`` the backward graph used to run as its own cached program,
-after which the autograd engine's AccumulateGrad nodes added each gradient into
-``.grad`` lazily, outside any program: ``.grad`` was left as pending IR, and the
-next reader (``.grad.cpu()``, the optimizer, whose inputs the bridge syncs) paid
-an execution for it; the loss seed of ``loss.backward()`` cost one more.
-
-Here a backward graph is lowered once per input signature to one XLA
-computation and embedded per call as a single lazy IR node
-(``_xla_user_computation``), so its outputs are pending: the engine's
-accumulation lands in the same pending graph, and the input it gets from
-outside (the loss seed, upstream gradients) fuses in as well. One engine
-callback per backward pass then syncs everything (see :mod:`grad_sync`).
-
-Where that is impossible (double backward, random ops, CPU-fallback ops,
-in-place input updates, torch_xla eager mode) a graph runs through the unfused
-path instead, correctly, with one warning saying why. Set
-``XLA_DYNAMO_FUSED_GRAD=0`` (or ``torch_xla._dynamo.config.fused_backward =
-False``) to always take the unfused path.
-"""'''
-
-_BRIDGE_ENTRY = '''
-
-def is_backward_graph(gm: torch.fx.GraphModule) -> bool:
-    """True for an AOTAutograd backward graph: its inputs include tangents (torch's partitioner names them so)."""
-    return any(str(n.target).startswith("tangents") for n in gm.graph.find_nodes(op="placeholder"))
-
-
-def extract_deferred_backward(gm: torch.fx.GraphModule, xla_args: Sequence[Any]) -> Callable[..., Any]:
-    """The dynamo bridge's compiled function for a backward graph; called with unpacked arguments.
-
-    The signature cache looks at the graph's traced (possibly symbolic)
-    input values, not at the first call's concrete ones, so a graph traced
-    with dynamic shapes is lowered per concrete shape.
-    """
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    example_inputs = [n.meta.get("val", a) for n, a in zip(placeholders, xla_args)]
-    deferred = DeferredBackward(gm, example_inputs)
-
-    def run(*args: Any) -> Any:
-        return deferred(list(args))
-
-    return run
-'''
-
-_UNFUSED_COMPILE = '''    from torch_xla._dynamo import dynamo_bridge
-
-    compiled: Optional[Callable[..., Any]] = None
-
-    def run(args: list) -> Any:
-        nonlocal compiled
-        if compiled is None:
-            with eager_mode_context(False):
-                compiled = dynamo_bridge.extract_compiled_graph_helper(gm, args)
-        return compiled(*args)
-
-    return run
-'''
-
-
-
-def _package_function(module: str, name: str) -> str:
-    """The source of a top-level function of one of the package's modules, as written there."""
-    text = (PACKAGE / module).read_text()
-    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
-    return ast.get_source_segment(text, node) + "\n"
-
-
-# torch_xla_bridge/spmd.py's keep_param_shardings, inlined into grad_sync.py (read from
-# the package, not copied): upstream needs the gradient-sharding fix, and not the
-# package's input-sharding workaround (the patched bridge is where upstream would
-# change its threshold).
-_KEEP_PARAM_SHARDING = "\n\n" + _package_function("spmd.py", "keep_param_shardings").replace(
-    "def keep_param_shardings(", "def _keep_param_shardings("
-)
-
-EDITS: dict[str, tuple[str, Edits]] = {
-    "torch_xla/_dynamo/grad_sync.py": (
-        "grad_sync.py",
-        [
-            (":mod:`torch_xla_bridge.dynamo_bridge`", ":mod:`torch_xla._dynamo.deferred_backward`"),
-            ('SYNC_COUNTER = "OpenxlaFusedGradSync"', 'SYNC_COUNTER = "DynamoFusedGradSync"'),
-            ("from . import spmd\n\n", ""),
-            ("log = logging.getLogger(__name__)\n", "log = logging.getLogger(__name__)\n" + _KEEP_PARAM_SHARDING),
-            ("spmd.keep_param_shardings(leaves)", "_keep_param_shardings(leaves)"),
-            ("import torch_xla\n", "import torch_xla\nimport torch_xla.runtime as xr\n"),
-        ],
-    ),
-    "torch_xla/_dynamo/deferred_backward.py": (
-        "dynamo_bridge.py",
-        [
-            ("from . import grad_sync, spmd\n", "from . import grad_sync\n"),
-            ("from .backend import BACKEND_NAME\n", ""),
-            (
-                '_USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"',
-                'BACKEND_NAME = "openxla"\n_USER_COMPUTATION_NAME = "xla::dynamo_fused_backward"',
-            ),
-            ("runs unfused through upstream openxla ", "runs unfused "),
-            ('    """AOTAutograd backward compiler of ``openxla_fused_grad``."""',
-             '    """An AOTAutograd backward compiler: ``aot_autograd(fw_compiler=..., bw_compiler=this)``."""'),
-            ('VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"', 'VALIDATION_COUNTER = "DynamoDeferredValidationCompile"'),
-            ("    return _inputs_synced_first(spmd.compile_upstream(gm, example_inputs))\n", _UNFUSED_COMPILE),
-        ],
-    ),
+# The series' new modules: path in pytorch/xla -> (package module it is generated from,
+# file of upstream-only code whose docstring replaces the module's and whose body,
+# after its imports, is appended).
+NEW_MODULES: dict[str, tuple[str, Optional[str]]] = {
+    "torch_xla/_dynamo/grad_sync.py": ("grad_sync.py", None),
+    "torch_xla/_dynamo/deferred_backward.py": ("deferred.py", "glue/deferred_backward.py"),
 }
-
-# Functions of the package that upstream does not need (the bridge itself
-# warns about CPU inputs), removed from the generated module.
-# The package's non-donating input sync in front of upstream's bridge is dropped too:
-# upstream's deferred backward hands unfused graphs to the bridge itself.
-DROPPED_FUNCTIONS = {"torch_xla/_dynamo/deferred_backward.py": ["on_xla", "check_inputs_on_xla", "_inputs_synced_first"]}
+# Package modules whose uses (``_private.x``, ``counting.f``) are inlined: a plain binding of
+# a torch / torch_xla attribute becomes that attribute, anything else is copied in (with
+# what it needs from its module) under a private name.
+INLINED_MODULES = ("_private", "counting")
+# Values upstream gives to names from torch_xla_bridge/names.py (others keep the package's).
+UPSTREAM_NAMES = {
+    "SYNC_COUNTER": "DynamoFusedGradSync",
+    "VALIDATION_COUNTER": "DynamoDeferredValidationCompile",
+    "USER_COMPUTATION_NAME": "xla::dynamo_fused_backward",
+}
+# Module-level constants of the package's modules that upstream sets differently.
+UPSTREAM_CONSTANTS = {"UNFUSED_VIA": ""}
+# How docstrings and comments name modules, in the package -> upstream.
+MODULE_PATHS = {
+    "torch_xla_bridge.deferred": "torch_xla._dynamo.deferred_backward",
+    "torch_xla_bridge.grad_sync": "torch_xla._dynamo.grad_sync",
+}
 
 BRIDGE_EDITS: Edits = [
     (
@@ -361,21 +278,6 @@ def apply_edits(text: str, edits: Edits, where: str) -> str:
     return text
 
 
-def drop_function(text: str, name: str, where: str) -> str:
-    """Removes a top-level function and the blank lines after it."""
-    pattern = re.compile(rf"^def {name}\(.*?(?=^\S)", re.S | re.M)
-    text, n = pattern.subn("", text, count=1)
-    if n != 1:
-        raise ValueError(f"{where}: no top-level function {name!r}; update make_patch.py")
-    return text
-
-
-def replace_docstring(text: str, doc: str) -> str:
-    assert text.startswith('"""'), "module must start with its docstring"
-    end = text.index('"""', 3) + 3
-    return doc + text[end:]
-
-
 def pristine_upstream_file(rel: str) -> str:
     """An upstream v2.9.0 file: from the installed torch_xla wheel (checked against its RECORD), or vendored."""
     if rel in VENDORED_BLOBS:
@@ -412,17 +314,296 @@ def yapf_format(text: str) -> str:
     return FormatCode(text, style_config=str(VENDOR / ".style.yapf"))[0]
 
 
+# --- generating an upstream module from a package module ------------------------------
+#
+# Everything is located through the syntax tree: the package's relative imports, uses of
+# the inlined modules (``_private.x``), module-level constants. Edits are made on the
+# source text at the nodes' positions, so comments and formatting survive.
+
+_Span = tuple[int, int, str]  # byte offsets into a module's UTF-8 source, and the text to put there
+
+
+class _Source:
+    """A module's source, its syntax tree, and its module-level definitions and imports by name."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.text = path.read_text()
+        self.data = self.text.encode()
+        self.tree = ast.parse(self.text)
+        self._line_starts = [0]
+        for line in self.data.splitlines(keepends=True):
+            self._line_starts.append(self._line_starts[-1] + len(line))
+        self.defs: dict[str, ast.stmt] = {}
+        self.imports: dict[str, tuple[Optional[str], str, Optional[str]]] = {}  # bound name -> (from, name, as)
+        self.names_imported: set[str] = set()
+        for stmt in self._top_level(self.tree.body):
+            if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+                self.defs.setdefault(stmt.name, stmt)
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                for target in stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]:
+                    if isinstance(target, ast.Name):
+                        self.defs.setdefault(target.id, stmt)
+            elif isinstance(stmt, ast.Import):
+                for a in stmt.names:
+                    self.imports.setdefault(a.asname or a.name.split(".")[0], (None, a.name, a.asname))
+            elif isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and stmt.module != "__future__":
+                for a in stmt.names:
+                    self.imports.setdefault(a.asname or a.name, (stmt.module, a.name, a.asname))
+            elif isinstance(stmt, ast.ImportFrom) and stmt.level == 1 and stmt.module == "names":
+                self.names_imported.update(a.name for a in stmt.names)
+
+    @staticmethod
+    def _top_level(body: list[ast.stmt]):
+        for stmt in body:
+            if isinstance(stmt, ast.Try):  # an optional import and what depends on it
+                yield from _Source._top_level(stmt.body + stmt.orelse)
+            else:
+                yield stmt
+
+    def offsets(self, node: ast.AST) -> tuple[int, int]:
+        if isinstance(node, ast.Module):
+            return 0, len(self.data)
+        return (self._line_starts[node.lineno - 1] + node.col_offset,
+                self._line_starts[node.end_lineno - 1] + node.end_col_offset)
+
+    def segment(self, node: ast.AST, spans: list[_Span]) -> str:
+        """The node's source with ``spans`` (inside it) replaced."""
+        start, end = self.offsets(node)
+        out, pos = [], start
+        for s, e, text in sorted(spans):
+            out += [self.data[pos:s].decode(), text]
+            pos = e
+        out.append(self.data[pos:end].decode())
+        return "".join(out)
+
+
+def _names_values() -> dict[str, object]:
+    """torch_xla_bridge/names.py's literal constants, with upstream's values where they differ."""
+    values: dict[str, object] = {}
+    for stmt in ast.parse((PACKAGE / "names.py").read_text()).body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            try:
+                values[stmt.targets[0].id] = ast.literal_eval(stmt.value)
+            except ValueError:
+                pass  # not a literal (an f-string): not for upstream
+    return {**values, **UPSTREAM_NAMES}
+
+
+class _Imports:
+    """Import statements to add to a module: ``import a.b [as c]`` and ``from a import b [as c]``, merged."""
+
+    def __init__(self) -> None:
+        self.plain: dict[tuple[str, Optional[str]], None] = {}
+        self.from_: dict[str, dict[tuple[str, Optional[str]], None]] = {}
+
+    def add(self, module: Optional[str], name: str, asname: Optional[str]) -> None:
+        if module is None:
+            self.plain[(name, asname)] = None
+        else:
+            self.from_.setdefault(module, {})[(name, asname)] = None
+
+    def add_statement(self, stmt: ast.stmt) -> None:
+        for a in stmt.names:
+            self.add(getattr(stmt, "module", None) if isinstance(stmt, ast.ImportFrom) else None, a.name, a.asname)
+
+    def spans(self, src: "_Source") -> list[_Span]:
+        """Edits to ``src`` that add these imports: names merged into its own ``from m import``
+        statements, the rest after its last import. Nothing it imports already is repeated."""
+        have_plain = {(a.name, a.asname) for s in src.tree.body if isinstance(s, ast.Import) for a in s.names}
+        have_from = {s.module: s for s in src.tree.body if isinstance(s, ast.ImportFrom) and s.level == 0}
+        lines, spans = [], []
+        for name, asname in self.plain:
+            if (name, asname) not in have_plain:
+                lines.append(f"import {name}" + (f" as {asname}" if asname else ""))
+        for module, names in self.from_.items():
+            stmt = have_from.get(module)
+            old = [(a.name, a.asname) for a in stmt.names] if stmt is not None else []
+            merged = old + [n for n in names if n not in old]
+            if merged == old:
+                continue
+            text = f"from {module} import " + ", ".join(n + (f" as {a}" if a else "") for n, a in sorted(merged))
+            if stmt is None:
+                lines.append(text)
+            else:
+                spans.append((*src.offsets(stmt), text))
+        last = max(src.offsets(s)[1] for s in src.tree.body
+                   if isinstance(s, ast.Import) or (isinstance(s, ast.ImportFrom) and s.level == 0))
+        if lines:
+            # `import x` lines first, then `from x import y`, each sorted, as the module's own are.
+            lines.sort(key=lambda line: (line.startswith("from "), line))
+            spans.append((last, last, "\n" + "\n".join(lines)))
+        return spans
+
+
+class _ModuleWriter:
+    """Inlines the uses of :data:`INLINED_MODULES` into one package module, for upstream."""
+
+    def __init__(self) -> None:
+        self.sources = {m: _Source(PACKAGE / f"{m}.py") for m in INLINED_MODULES}
+        self.names = _names_values()
+        self.imports = _Imports()  # what the copied code needs
+        self.constants: dict[str, str] = {}  # names.py constants the copied code needs
+        self.copied: dict[tuple[str, str], str] = {}  # (module, name) -> name in the output, in copy order
+        self.copied_text: list[str] = []
+
+    def constant(self, name: str) -> str:
+        if name not in self.names:
+            raise ValueError(f"names.{name} has no literal value for upstream; add it to UPSTREAM_NAMES")
+        return f"{name} = {self.names[name]!r}"
+
+    def resolve(self, module: str, name: str) -> str:
+        """What ``module.name`` becomes upstream: a torch/torch_xla attribute, or a copied definition's name."""
+        src = self.sources[module]
+        if (module, name) in self.copied:
+            return self.copied[(module, name)]
+        if name in src.imports:
+            self.imports.add(*src.imports[name])
+            return name
+        if name in src.names_imported:
+            self.constants[name] = self.constant(name)
+            return name
+        node = src.defs.get(name)
+        if node is None:
+            raise ValueError(f"{module}.{name} is not a module-level name of {src.path.name}")
+        bound = self._binding(module, node)
+        if bound is not None:
+            return bound
+        new = name if name.startswith("_") else "_" + name
+        self.copied[(module, name)] = new
+        # Dedented: the definition may sit in a block (torch_xla's optional import).
+        text = self.rewrite(src, node, module, own=(name, new))
+        self.copied_text.append(textwrap.dedent(" " * node.col_offset + text))
+        return new
+
+    def _binding(self, module: str, node: ast.stmt) -> Optional[str]:
+        """For ``x = _xla("a.b", obj)`` / ``_torch(...)`` in _private: the attribute it binds."""
+        value = getattr(node, "value", None)
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("_xla", "_torch")):
+            return None
+        path = ast.literal_eval(value.args[0])
+        if len(value.args) > 1:
+            base = self.resolve(module, value.args[1].id)
+        else:
+            base = {"_xla": "torch_xla", "_torch": "torch"}[value.func.id]
+            self.imports.add(None, base, None)
+        return f"{base}.{path}"
+
+    def rewrite(self, src: _Source, node: ast.AST, module: Optional[str], own: Optional[tuple[str, str]] = None) -> str:
+        """``node``'s source, with uses of inlined modules resolved; for a definition copied
+        from ``module``, with its uses of that module's own names resolved too."""
+        local = _locals(node) if isinstance(node, ast.FunctionDef) else set()
+        spans: list[_Span] = []
+
+        def visit(n: ast.AST) -> None:
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in INLINED_MODULES:
+                spans.append((*src.offsets(n), self.resolve(n.value.id, n.attr)))
+                return
+            if module is not None and isinstance(n, ast.Name) and n.id not in local:
+                if own is not None and n.id == own[0]:
+                    spans.append((*src.offsets(n), own[1]))
+                elif n.id in src.defs or n.id in src.imports or n.id in src.names_imported:
+                    resolved = self.resolve(module, n.id)
+                    if resolved != n.id:
+                        spans.append((*src.offsets(n), resolved))
+                return
+            for child in ast.iter_child_nodes(n):
+                visit(child)
+
+        if own is not None and isinstance(node, ast.FunctionDef):
+            # The def's own name is not a node: rename it in the header.
+            text = self._renamed_def(src, node, own, visit, spans)
+            return text
+        visit(node)
+        return src.segment(node, spans)
+
+    def _renamed_def(self, src: _Source, node: ast.FunctionDef, own: tuple[str, str], visit, spans: list[_Span]) -> str:
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs + [node.args.vararg, node.args.kwarg]
+        annotations = [a.annotation for a in args if a is not None] + [node.returns]
+        for child in node.args.defaults + node.args.kw_defaults + node.body + node.decorator_list + annotations:
+            if child is not None:
+                visit(child)
+        text = src.segment(node, spans)
+        return text.replace(f"def {own[0]}(", f"def {own[1]}(", 1)
+
+
+def _locals(node: ast.AST) -> set[str]:
+    """Names a function binds itself (arguments, assignments, loop targets): not module-level ones."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+    return out
+
+
+def upstream_module(source: str, glue: Optional[str] = None) -> str:
+    """``torch_xla_bridge/<source>`` as a module of ``torch_xla/_dynamo``, unformatted.
+
+    The package's relative imports go: ``from .names import X`` becomes
+    ``X = <value>`` (upstream's where :data:`UPSTREAM_NAMES` has one), and each
+    ``_private.x`` / ``counting.f`` is resolved by :class:`_ModuleWriter`.
+    With ``glue``, that file's docstring replaces the module's and its code
+    after its imports is appended, its imports merged.
+    """
+    writer = _ModuleWriter()
+    src = _Source(PACKAGE / source)
+    spans: list[_Span] = []
+    for stmt in src.tree.body:
+        if isinstance(stmt, ast.ImportFrom) and stmt.level:
+            if stmt.module == "names":
+                text = "\n".join(writer.constant(a.name) for a in stmt.names)
+            elif stmt.module is None and all(a.name in INLINED_MODULES for a in stmt.names):
+                text = ""
+            else:
+                raise ValueError(f"{source}: `from {'.' * stmt.level}{stmt.module or ''} import ...`: "
+                                 f"upstream has no such module; inline it or change the import")
+            start, end = src.offsets(stmt)
+            spans.append((start, end + 1, text + "\n" if text else ""))
+        elif isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id in UPSTREAM_CONSTANTS:
+            spans.append((*src.offsets(stmt.value), repr(UPSTREAM_CONSTANTS[stmt.targets[0].id])))
+    body_spans: list[_Span] = []
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in INLINED_MODULES:
+            body_spans.append((*src.offsets(node), writer.resolve(node.value.id, node.attr)))
+    tail = ""
+    doc = ast.get_docstring(src.tree, clean=False)
+    if glue is not None:
+        g = _Source(HERE / glue)
+        g_imports = [s for s in g.tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+        for s in g_imports:
+            mod = getattr(s, "module", None) or ""
+            bound = [a.asname or a.name.split(".")[0] for a in s.names]
+            # Names the module binds already (typing, torch) are not imported twice.
+            if mod == "__future__" or mod.startswith("torch_xla_bridge") or all(b in src.imports for b in bound):
+                continue
+            writer.imports.add_statement(s)
+        tail = g.data[g.offsets(g_imports[-1])[1]:].decode().lstrip("\n")
+        spans.append((*src.offsets(src.tree.body[0]), ast.get_source_segment(g.text, g.tree.body[0])))
+    elif doc is None:
+        raise ValueError(f"{source} must start with its docstring")
+    spans += writer.imports.spans(src)
+    # Spans inside a replaced import or docstring cannot occur: those hold no inlined uses.
+    out = src.segment(src.tree, spans + body_spans)
+    # segment() covers the tree's extent; keep what follows it (nothing but a newline).
+    out = out.rstrip("\n") + "\n"
+    extra = list(dict.fromkeys(writer.constants.values())) + writer.copied_text
+    if extra:
+        out += "\n\n" + "\n\n\n".join(extra) + "\n"
+    if tail:
+        out += "\n\n" + tail
+    for ours, theirs in MODULE_PATHS.items():
+        out = out.replace(ours, theirs)
+    left = [w for w in ("torch_xla_bridge", "_private.", "counting.") if w in out]
+    if left:
+        raise ValueError(f"{source}: the upstream module still mentions {left}; extend MODULE_PATHS or the inlining")
+    return out
+
+
 def new_files() -> dict[str, str]:
     """Path in the pytorch/xla tree -> content of each file the patch creates, yapf-formatted."""
-    out: dict[str, str] = {}
-    for rel, (source, edits) in EDITS.items():
-        text = (PACKAGE / source).read_text()
-        for fn in DROPPED_FUNCTIONS.get(rel, []):
-            text = drop_function(text, fn, rel)
-        text = apply_edits(text, edits, rel)
-        if rel.endswith("deferred_backward.py"):
-            text = replace_docstring(text, _DEFERRED_DOC) + _BRIDGE_ENTRY
-        out[rel] = yapf_format(text)
+    out = {rel: yapf_format(upstream_module(source, glue)) for rel, (source, glue) in NEW_MODULES.items()}
     out[TEST_FILE] = (HERE / pathlib.Path(TEST_FILE).name).read_text()
     return out
 
