@@ -49,6 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import grad_sync
 from .backend import STEP_BACKEND_NAME as BACKEND_NAME
 from .dynamo_bridge import VALIDATION_COUNTER, DeferredBackward, DeferredGraph
+from .names import FORWARD_ALONE_COUNTER
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class DeferredForward(DeferredGraph):
 
     def _deferred(self, pending: list[torch.Tensor]) -> None:
         if self.pair.unfused_reason is not None:
+            torch_xla._XLAC._xla_increment_counter(FORWARD_ALONE_COUNTER, 1)
             grad_sync.sync(pending, fresh=True)
             return
         _current_step()
