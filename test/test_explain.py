@@ -15,8 +15,12 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 
 import torch_xla_bridge
+from torch_xla_bridge import names
 from torch_xla_bridge.explain import Cause, autograd_graph, explain, format_text, print_report, run_script
+from torch_xla_bridge.explain import events as ev
+from torch_xla_bridge.explain import recorder
 from torch_xla_bridge.explain.__main__ import parse_args
+from torch_xla_bridge.explain.build import COUNTED, build
 from xla_helpers import FUSED, FUSED_STEP, UPSTREAM, TinyTransformer, device, executions, mlp, mlp_task, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,3 +262,48 @@ def test_verdict_predicts_what_each_backend_runs():
     assert report.verdict().endswith(
         f"predicted per step: openxla_fused_grad {fused_grad}, openxla_fused_step {fused_step}"
     )
+
+
+def test_recorded_events_rebuild_the_report_after_a_json_round_trip():
+    """The report is a function of the events alone, and the events are plain data."""
+    with explain(steps=2) as ex:
+        train(mlp_task(), UPSTREAM, steps=4, set_to_none=False)
+    stored = json.loads(json.dumps(ev.to_dicts(ex.events)))
+    assert build(ev.from_dicts(stored)).to_dict() == ex.report.to_dict()
+    assert ev.Stopped(2) in ex.events and ex.events[-1] == ev.Finished(raised=True, execute_time=ex.report.total)
+    # Upstream's input syncs are told by the counter its bridge bumps right before each.
+    syncs = [e for e in ex.events if isinstance(e, ev.CallStarted) and e.entry == ev.SYNC_MULTI]
+    assert syncs and all(e.counters.get(names.INPUT_SYNC_COUNTER) == 1 for e in syncs)
+
+
+def test_fused_step_forward_executed_on_its_own_is_told_by_its_counter():
+    """After a read between forward and backward, openxla_fused_step runs the forward on its own."""
+    torch.manual_seed(0)
+    model = mlp().to(device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend=FUSED_STEP)
+    x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
+    with pytest.warns(UserWarning, match=FUSED_STEP), explain() as ex:
+        for _ in range(4):
+            loss = F.mse_loss(compiled(x), y)
+            loss.item()  # the read that unfuses the forward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            xm.mark_step()
+    report = ex.report
+    assert report.total == report.metrics["ExecuteTime"]
+    alone = [e for e in all_executions(report) if e.detail.startswith("forward executed on its own")]
+    assert [e.cause for e in alone] == [F_] * 3  # steps 2-4; step 1 read the deferred forward
+    assert [causes(s)[0] for s in report.steps[1:]] == [F_] * 3
+    assert report.metrics[names.FORWARD_ALONE_COUNTER] == 3
+
+
+def test_a_counter_cleared_by_the_bridge_still_counts_its_bumps(monkeypatch):
+    """Upstream's bridge clears all counters while it compiles: a drop restarts the count from zero."""
+    ex = recorder.Explainer()
+    ex._counters = dict.fromkeys(COUNTED, 5)
+    now = {names.INPUT_SYNC_COUNTER: 1, names.SYNC_COUNTER: 7, names.STEP_COUNTER: 0}
+    monkeypatch.setattr(recorder.counting, "counter", lambda name: now.get(name, 5))
+    assert ex._counter_increments() == {names.INPUT_SYNC_COUNTER: 1, names.SYNC_COUNTER: 2}
+    assert ex._counter_increments() == {}  # the new values are the baseline

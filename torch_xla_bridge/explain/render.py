@@ -10,10 +10,13 @@ import shutil
 import sys
 from typing import IO, Optional
 
+from ..names import COMPILE_COUNTERS, INPUT_SYNC_COUNTER, SYNC_COUNTER
 from .grad_graph import GradGraph
 from .report import ExecutionReport, Step
 
 COLUMNS = ("#", "cause", "what", "graph hash", "in", "out", "triggered at")
+# Counters shown under the table: input syncs, fused backward syncs, UncachedCompile.
+_FOOTER_COUNTERS = (INPUT_SYNC_COUNTER, SYNC_COUNTER, COMPILE_COUNTERS[0])
 
 
 def _cells(i: int, e) -> tuple[str, ...]:
@@ -49,9 +52,7 @@ def _footer(report: ExecutionReport) -> list[str]:
     m = report.metrics
     lines = [
         f"total {report.total} executions; torch_xla ExecuteTime counted {m.get('ExecuteTime', 0)}; "
-        f"DynamoSyncInputExecuteTime +{m.get('DynamoSyncInputExecuteTime', 0)}, "
-        f"OpenxlaFusedGradSync +{m.get('OpenxlaFusedGradSync', 0)}, "
-        f"UncachedCompile +{m.get('UncachedCompile', 0)}"
+        + ", ".join(f"{c} +{m.get(c, 0)}" for c in _FOOTER_COUNTERS)
         + ("" if report.analysis else "; torch_xla execution analysis off (hashes of syncs, value-read frames unknown)")
     ]
     if report.stopped_after is not None:

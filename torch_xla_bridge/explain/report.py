@@ -1,11 +1,11 @@
 """The data of an execution report: executions, steps, and the one-line verdict.
 
-Pure data and arithmetic, no torch_xla: the recorder
-(:mod:`torch_xla_bridge.explain.recorder`) fills it, :mod:`.render` prints it.
-Invariant: ``report.total`` (the rows) equals ``report.metrics["ExecuteTime"]``,
-torch_xla's own count of executions over the same span, because every execution
-the recorder cannot attribute to an entry point is still listed (as "value read",
-".grad read" or "other").
+Pure data and arithmetic, no torch_xla: :mod:`.build` fills it from the events
+the recorder (:mod:`torch_xla_bridge.explain.recorder`) captured, :mod:`.render`
+prints it. Invariant: ``report.total`` (the rows) equals
+``report.metrics["ExecuteTime"]``, torch_xla's own count of executions over the
+same span, because every execution the recorder cannot attribute to an entry
+point is still listed (as "value read", ".grad read" or "other").
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Execution:
 
 @dataclasses.dataclass
 class Step:
-    """The executions of one training step (see the recorder for where steps end)."""
+    """The executions of one training step (see :mod:`.build` for where steps end)."""
 
     number: int
     executions: list[Execution] = dataclasses.field(default_factory=list)

@@ -1,0 +1,234 @@
+"""From recorded events to a report: causes, step boundaries, metrics. Pure: no torch, no torch_xla.
+
+:func:`build` folds an event list (:mod:`.events`) into an
+:class:`~.report.ExecutionReport`; the recorder feeds the same
+:class:`ReportBuilder` as it records, to know when ``steps=N`` is reached.
+
+Where a step ends
+-----------------
+A step is complete once ``Optimizer.step`` returned (``OptimizerStepped``) or,
+in a run that has not used a ``torch.optim`` optimizer, once a mark_step
+returned. A step completed by its optimizer still takes the executions that
+follow it (a trailing ``mark_step``, a ``loss.item()``) until the next step
+opens: at the next forward, input sync or backward pass. A step that a
+``mark_step`` ended takes nothing more: any later execution opens the next
+step. Work before the first backward pass or optimizer step (moving data, a
+first sync) is part of step 1. After ``ManualSteps`` only ``StepMarked`` ends
+a step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from ..names import COMPILE_COUNTERS, FORWARD_ALONE_COUNTER, INPUT_SYNC_COUNTER, STEP_COUNTER, SYNC_COUNTER
+from . import events as ev
+from .report import Cause, Execution, ExecutionReport, Step
+
+# The counters a report sums over the run (report.metrics, besides ExecuteTime).
+COUNTED = (INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, FORWARD_ALONE_COUNTER, *COMPILE_COUNTERS)
+# Causes whose execution opens a new step when the current one is complete.
+_OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
+
+
+def classify(call: ev.CallStarted) -> tuple[Cause, str]:
+    """The cause of what a wrapped call executes, and a one-line detail, from the facts before it.
+
+    The package's own syncs are recognized by the counter the core bumps
+    right before each (``call.counters``), never by its function names.
+    """
+    signal = call.counters.get
+    target = "backward" if call.in_backward else "optimizer step" if call.in_optimizer else "forward"
+    if call.entry == ev.RUN_CACHED_GRAPH:
+        if call.in_backward:
+            return Cause.BACKWARD, "compiled backward graph (dynamo bridge)"
+        if call.in_optimizer:
+            return Cause.OPTIMIZER, "compiled optimizer step (dynamo bridge)"
+        return Cause.FORWARD, "compiled graph (dynamo bridge)"
+    if call.entry == ev.STEP_MARKER:
+        if signal(STEP_COUNTER):
+            return (
+                Cause.MARK_STEP,
+                "openxla_fused_step cuts the step: everything pending (forward, backward, "
+                ".grad accumulation, optimizer) as one execution",
+            )
+        # Upstream's bridge syncs at the start of each compile; it has no counter for that.
+        if call.in_upstream_bridge:
+            return Cause.OTHER, "torch_xla.sync() by the dynamo bridge while it compiles a graph"
+        return Cause.MARK_STEP, "xm.mark_step() / torch_xla.sync()"
+    if signal(SYNC_COUNTER):
+        return (
+            Cause.BACKWARD,
+            f"deferred backward + .grad accumulation: {call.synced} tensors, one sync at "
+            "the end of the backward pass (openxla_fused_grad)",
+        )
+    if signal(FORWARD_ALONE_COUNTER):
+        return Cause.FORWARD, "forward executed on its own (openxla_fused_step unfused this graph after a value read)"
+    # Upstream's bridge and ours (which syncs the same inputs first, without
+    # buffer donation) both bump INPUT_SYNC_COUNTER right before the sync.
+    from_bridge = bool(signal(INPUT_SYNC_COUNTER))
+    if from_bridge and call.grads:
+        return (
+            Cause.GRAD_ACCUMULATION,
+            f"pending .grad of {_some(call.grads)} (AccumulateGrad's add) synced by the dynamo "
+            f"bridge before the compiled {target}",
+        )
+    if from_bridge and call.in_backward:
+        return (
+            Cause.INPUT_SYNC,
+            "the compiled backward's pending input (loss seed or incoming gradient) synced by the dynamo bridge",
+        )
+    if from_bridge:
+        detail = f"{call.pending} pending inputs synced by the dynamo bridge before the compiled {target}"
+        return Cause.INPUT_SYNC, detail
+    if call.grads:
+        return Cause.GRAD_READ, f"pending .grad of {_some(call.grads)} synced (_xla_sync_multi)"
+    return Cause.OTHER, f"_xla_sync_multi of {call.synced} tensors"
+
+
+def _some(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    more = f", +{len(names) - limit} more" if len(names) > limit else ""
+    return f"{len(names)} leaves ({shown}{more})" if len(names) > 1 else shown
+
+
+def _graph_info(e: Execution, x: ev.XlaExecution) -> Execution:
+    e.graph_hash, e.inputs, e.outputs, e.torch_xla_cause = x.graph_hash, x.inputs, x.outputs, x.torch_xla_cause
+    return e
+
+
+def _gap_execution(x: ev.XlaExecution, materialized: list[str], alone: bool) -> Execution:
+    """An execution outside entry points: a .grad read when it alone materialized a pending .grad."""
+    if materialized and alone:
+        cause = Cause.GRAD_READ
+        detail = f"read of the pending .grad of {_some(materialized)} ran its accumulation"
+    elif x.torch_xla_cause is not None and "access tensor value" in x.torch_xla_cause:
+        cause, detail = Cause.VALUE_READ, "tensor value read on the host (.item(), .cpu(), printing, ...)"
+    elif x.torch_xla_cause is None:
+        cause = Cause.OTHER
+        detail = (
+            "not made through a wrapped entry point (most often a value read); "
+            "torch_xla's execution analysis would say more (see the CLI)"
+        )
+    else:
+        cause, detail = Cause.OTHER, f"torch_xla: {x.torch_xla_cause}"
+    return _graph_info(Execution(cause, detail, "", x.frame), x)
+
+
+class ReportBuilder:
+    """Folds events, in order, into :attr:`report` (see the module docstring for step boundaries).
+
+    ``report.steps`` holds the closed steps while events come in; the open
+    one joins it at :class:`~.events.Finished`.
+    """
+
+    def __init__(self) -> None:
+        self.report = ExecutionReport()
+        self.finished = False
+        self._step = Step(1)
+        self._state = "open"  # "open", "optimizer" (an optimizer step returned), "sync" (a mark_step did)
+        self._manual = False
+        self._optimizer_seen = False
+        self._call: Optional[tuple[ev.CallStarted, Cause, str]] = None  # the call in progress
+        self._counted = dict.fromkeys(COUNTED, 0)
+
+    @property
+    def closed_steps(self) -> int:
+        return len(self.report.steps)
+
+    def add(self, event: ev.Event) -> None:
+        if self.finished:
+            raise ValueError(f"event after Finished: {event!r}")
+        for name, n in getattr(event, "counters", {}).items():
+            self._counted[name] = self._counted.get(name, 0) + n
+        handler = getattr(self, "_on_" + type(event).__name__)
+        handler(event)
+
+    # --- events -----------------------------------------------------------------------
+
+    def _on_OptimizerStepped(self, e: ev.OptimizerStepped) -> None:
+        self._step.optimizer_steps += e.count
+        self._optimizer_seen = True
+        if not self._manual and self._state == "open":
+            self._state = "optimizer"
+
+    def _on_Gap(self, e: ev.Gap) -> None:
+        # After a mark_step ended the step, these belong to the next one (in a
+        # lazy loop a value read can be the first execution of a step).
+        if e.executions and not e.at_exit and self._state == "sync" and not self._manual:
+            self._close()
+        alone = len(e.executions) == 1
+        self._step.executions += [_gap_execution(x, e.materialized, alone) for x in e.executions]
+
+    def _on_CallStarted(self, e: ev.CallStarted) -> None:
+        cause, detail = classify(e)
+        self._call = (e, cause, detail)
+        self._opening(cause in _OPENING or (cause is Cause.MARK_STEP and self._state == "sync"))
+
+    def _on_CallReturned(self, e: ev.CallReturned) -> None:
+        if self._call is None or self._call[0].entry != e.entry:
+            raise ValueError(f"{e.entry} returned without a matching CallStarted")
+        call, cause, detail = self._call
+        self._call = None
+        new = [
+            _graph_info(Execution(cause, detail, e.entry, call.frame, ir=call.ir, in_backward=call.in_backward), x)
+            for x in e.executions
+        ]
+        if new and e.materialized and e.entry == ev.STEP_MARKER:
+            # A sync of every live tensor: it ran the accumulation left pending.
+            for x in new:
+                x.detail += f"; it executed the pending .grad of {_some(e.materialized)}"
+                if x.cause is Cause.OTHER:
+                    x.cause = Cause.GRAD_ACCUMULATION
+        self._step.executions += new
+        if cause is Cause.MARK_STEP and not self._manual and (self._state == "optimizer" or not self._optimizer_seen):
+            self._state = "sync"
+
+    def _on_BackwardStarted(self, e: ev.BackwardStarted) -> None:
+        self._opening(True)
+
+    def _on_BackwardEnded(self, e: ev.BackwardEnded) -> None:
+        self._step.backward_passes += 1
+        self._step.pending_grads += [n for n in e.pending_grads if n not in self._step.pending_grads]
+
+    def _on_ManualSteps(self, e: ev.ManualSteps) -> None:
+        self._manual = True
+
+    def _on_StepMarked(self, e: ev.StepMarked) -> None:
+        self._manual = True
+        self._close(force=True)
+
+    def _on_Stopped(self, e: ev.Stopped) -> None:
+        self.report.stopped_after = e.steps
+
+    def _on_Finished(self, e: ev.Finished) -> None:
+        step = self._step
+        if step.executions or step.backward_passes or step.optimizer_steps:
+            step.complete = self._state != "open" and not e.raised
+            self.report.steps.append(step)
+        self.report.metrics = {"ExecuteTime": e.execute_time, **self._counted}
+        self.report.analysis = any(x.torch_xla_cause is not None for s in self.report.steps for x in s.executions)
+        self.finished = True
+
+    # --- step boundaries ----------------------------------------------------------
+
+    def _opening(self, opening: bool) -> None:
+        if opening and not self._manual and self._state != "open":
+            self._close()
+
+    def _close(self, force: bool = False) -> None:
+        step, self._state = self._step, "open"
+        if not (step.backward_passes or step.optimizer_steps or (force and step.executions)):
+            return  # set-up (data, a first sync): part of the next step
+        self.report.steps.append(step)
+        self._step = Step(step.number + 1)
+
+
+def build(events: Iterable[ev.Event]) -> ExecutionReport:
+    """The report of a complete recording (its last event is :class:`~.events.Finished`)."""
+    builder = ReportBuilder()
+    for event in events:
+        builder.add(event)
+    if not builder.finished:
+        raise ValueError("the events end before Finished: not a complete recording")
+    return builder.report
