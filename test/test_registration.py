@@ -93,3 +93,18 @@ def test_missing_torch_xla_is_an_import_error_with_the_install_command():
     assert proc.returncode == 0, proc.stderr
     assert "ImportError: backend='openxla_fused_grad' needs torch_xla, which could not be imported" in proc.stdout
     assert "pip install torch_xla==2.9.0" in proc.stdout
+
+
+def test_importing_the_package_leaves_torch_xla_unimported():
+    """torch_xla reads its environment (PT_XLA_DEBUG_LEVEL, XLA_FLAGS, ...) when first imported:
+    a script that imports this package first, then sets those, must still get its settings."""
+    proc = run_python(
+        """
+        import sys
+        import torch_xla_bridge, torch._dynamo
+        assert {"openxla_fused_grad", "openxla_fused_step"} <= set(torch._dynamo.list_backends())
+        print("torch_xla imported:", "torch_xla" in sys.modules)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "torch_xla imported: False" in proc.stdout

@@ -6,10 +6,10 @@ release, so each one is bound here (and nowhere else), and a missing one
 fails this module's import with an ImportError naming the version the
 package needs, instead of failing mid-training with an AttributeError.
 
-torch_xla is optional at import: registration (``backend.py``) works
-without it, and ``backend.require_torch_xla`` says how to install it when a
-graph is compiled. The mechanism modules import the torch_xla names below
-only when a graph is compiled.
+Imported when a graph is compiled, never by registration (``backend.py``
+imports it lazily): torch_xla reads its environment variables when first
+imported. torch_xla missing is no error here; ``backend.require_torch_xla``
+reports it, naming the install command.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch._functorch._aot_autograd.runtime_wrappers as _aot_runtime
 from torch._dynamo import compiled_autograd as _compiled_autograd
-from torch._dynamo.backends import registry as _registry
 
 from .names import TORCH_VERSION, TORCH_XLA_INSTALL, TORCH_XLA_VERSION
 
@@ -55,15 +54,6 @@ queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.V
 
 
 # --- torch: dynamo and AOTAutograd ----------------------------------------------
-
-_COMPILER_FNS: dict = _torch("_COMPILER_FNS", _registry)
-_BACKENDS: dict = _torch("_BACKENDS", _registry)
-
-
-def backend_known(name: str) -> bool:
-    """Whether dynamo already has ``name``: registered, or discovered as an entry point (loaded on lookup)."""
-    return name in _COMPILER_FNS or _BACKENDS.get(name) is not None
-
 
 def in_compiled_autograd_region() -> bool:
     """True while compiled autograd traces (or runs) a backward graph."""

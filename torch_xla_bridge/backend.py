@@ -20,9 +20,11 @@ callback. ``openxla_fused_step``: every graph is deferred until the step is
 cut. Both trace with :mod:`.decompositions`, which replaces ops whose
 torch_xla lowering disagrees with eager PyTorch.
 
-Registration works without torch_xla (dynamo can list the backends, the
-entry point can load them); the mechanisms are imported when a graph is
-compiled, after :func:`require_torch_xla`.
+Importing this module imports neither torch_xla nor the mechanisms (dynamo
+can list the backends and the entry point load them without torch_xla, and
+torch_xla reads its environment when it is first imported, which stays the
+user's choice); they are imported when a graph is compiled, after
+:func:`require_torch_xla`.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+import torch._dynamo
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from . import _private, decompositions
+from . import decompositions
 from .names import BACKEND_NAME, STEP_BACKEND_NAME, TORCH_XLA_INSTALL
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,11 @@ def register() -> None:
     too would trip dynamo's duplicate-name check), so only the name's absence
     from both tables leads to registering here.
     """
+    # Public API, and no torch_xla import: users set torch_xla's environment variables
+    # (PT_XLA_DEBUG_LEVEL, ...) after importing this package, before torch_xla is imported.
+    known = set(torch._dynamo.list_backends(exclude_tags=()))
     for name, compiler_fn in _BACKENDS.items():
-        if not _private.backend_known(name):
+        if name not in known:
             register_backend(compiler_fn=compiler_fn, name=name)
 
 
@@ -100,6 +106,8 @@ def openxla_fused_step(
 
 def require_torch_xla(backend: str) -> None:
     """Raises an ImportError naming the install command if torch_xla is missing."""
+    from . import _private
+
     if _private.TORCH_XLA_IMPORT_ERROR is not None:
         e = _private.TORCH_XLA_IMPORT_ERROR
         raise ImportError(
@@ -141,6 +149,8 @@ def _compiled_autograd_graph(backend: str) -> bool:
     of its own, and runs through upstream ``openxla`` (correct; an input sync,
     then the graph), not through the deferred backward.
     """
+    from . import _private
+
     if not _private.in_compiled_autograd_region():
         return False
     _warn_compiled_autograd_once(backend)
