@@ -1,39 +1,32 @@
-"""Shared helpers for the test suite: execution counting, models, training loops."""
+"""Shared helpers for the test suite: execution counting, models, training loops, eager CPU references."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
-from typing import Callable, Optional
+import warnings
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
 
-UPSTREAM = "openxla"
-FUSED = "openxla_fused_grad"
-FUSED_STEP = "openxla_fused_step"
-SYNC_COUNTER = "OpenxlaFusedGradSync"
-STEP_COUNTER = "OpenxlaFusedStepSync"
+# Counting and names have one home in the package; the tests import them from here.
+from torch_xla_bridge.counting import counter, executions  # noqa: F401  (re-exported)
+from torch_xla_bridge.names import (  # noqa: F401  (re-exported)
+    BACKEND_NAME as FUSED,
+    STEP_BACKEND_NAME as FUSED_STEP,
+    STEP_COUNTER,
+    SYNC_COUNTER,
+    UPSTREAM_BACKEND_NAME as UPSTREAM,
+)
 
 
 def device() -> torch.device:
     return torch_xla.device()
-
-
-def executions() -> int:
-    """XLA programs executed so far in this process (waits for pending async work first).
-
-    Under SPMD every program is a replicated execution (``ExecuteReplicatedTime``).
-    """
-    xm.wait_device_ops()
-    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
-
-
-def counter(name: str) -> int:
-    return met.counter_value(name) or 0
 
 
 def pending(tensors: list[torch.Tensor]) -> list[bool]:
@@ -228,3 +221,38 @@ def train(
 
 def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+# --- eager CPU references and warnings -------------------------------------------
+
+
+def cpu_and_xla_copy(make: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """A model built on the CPU after seeding, and an identical copy of it on the XLA device."""
+    torch.manual_seed(seed)
+    cpu_model = make()
+    return cpu_model, copy.deepcopy(cpu_model).to(device())
+
+
+@contextlib.contextmanager
+def recorded_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Records every warning raised inside, repeats included (a warning once per step must show each time)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def messages_naming(caught: list[warnings.WarningMessage], backend: str) -> list[str]:
+    """The recorded warnings' messages that name ``backend`` (ours start with the backend's name)."""
+    return [str(w.message) for w in caught if backend in str(w.message)]
+
+
+def assert_grads_match(
+    model: nn.Module, cpu_model: nn.Module, scale: float = 1.0, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Asserts each parameter's ``.grad`` equals ``scale`` times the eager CPU reference's, in order.
+
+    ``scale``: how many backward passes ``model`` accumulated per one of ``cpu_model``.
+    """
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
+        got, want = p.grad.detach().cpu(), scale * q.grad.detach()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
