@@ -1,11 +1,19 @@
-"""Shared helpers for the test suite: execution counting, models, training loops, eager CPU references."""
+"""Shared helpers for the test suite: execution counting, models, training loops, eager CPU references.
+
+They need only torch and torch_xla, never this package: upstream/measure.py
+uses them in a process that measures the upstream patch alone and asserts that
+``torch_xla_bridge`` was never imported.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import importlib.util
+import pathlib
 import warnings
+from types import ModuleType
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -13,20 +21,44 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
 
-# Counting and names have one home in the package; the tests import them from here.
-from torch_xla_bridge.counting import counter, executions  # noqa: F401  (re-exported)
-from torch_xla_bridge.names import (  # noqa: F401  (re-exported)
-    BACKEND_NAME as FUSED,
-    STEP_BACKEND_NAME as FUSED_STEP,
-    STEP_COUNTER,
-    SYNC_COUNTER,
-    UPSTREAM_BACKEND_NAME as UPSTREAM,
-)
+
+def _names() -> ModuleType:
+    """torch_xla_bridge/names.py, loaded by path: a leaf module, so no part of the package is imported."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge" / "names.py"
+    spec = importlib.util.spec_from_file_location("_torch_xla_bridge_names", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+names = _names()
+UPSTREAM = names.UPSTREAM_BACKEND_NAME
+FUSED = names.BACKEND_NAME
+FUSED_STEP = names.STEP_BACKEND_NAME
+SYNC_COUNTER = names.SYNC_COUNTER
+STEP_COUNTER = names.STEP_COUNTER
 
 
 def device() -> torch.device:
     return torch_xla.device()
+
+
+def executions() -> int:
+    """XLA programs executed so far in this process, after pending ones finish.
+
+    The count of torch_xla_bridge.counting.executions(), over the same
+    names.EXECUTE_METRICS; not imported from there, which would load the
+    package (see the module's docstring).
+    """
+    xm.wait_device_ops()
+    return sum((met.metric_data(m) or (0,))[0] for m in names.EXECUTE_METRICS)
+
+
+def counter(name: str) -> int:
+    """A torch_xla counter's value (0 before its first bump), as torch_xla_bridge.counting.counter()."""
+    return met.counter_value(name) or 0
 
 
 def pending(tensors: list[torch.Tensor]) -> list[bool]:
