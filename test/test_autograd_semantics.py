@@ -12,6 +12,7 @@ from xla_helpers import (
     FUSED,
     SYNC_COUNTER,
     UPSTREAM,
+    GraphBreakMLP,
     SmallCNN,
     TinyTransformer,
     assert_grads_match,
@@ -51,21 +52,6 @@ def both_backends(make, run, steps: int = 3):
             run(model, compiled, step, backend)
         out[backend] = model
     return out[FUSED], out[UPSTREAM]
-
-
-class GraphBreakMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 4)
-
-    def forward(self, x):
-        x = torch.relu(self.a(x))
-        torch._dynamo.graph_break()
-        x = torch.relu(self.b(x))
-        torch._dynamo.graph_break()
-        return self.c(x)
 
 
 def test_graph_break_one_callback_one_execution():

@@ -15,6 +15,7 @@ from xla_helpers import (
     FUSED_STEP,
     STEP_COUNTER,
     UPSTREAM,
+    GraphBreakMLP,
     assert_grads_match,
     cnn_task,
     counter,
@@ -102,22 +103,9 @@ def test_gradient_accumulation_is_one_execution_per_step():
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
 
 
-class WithGraphBreaks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
-
-    def forward(self, x):
-        x = F.relu(self.a(x))
-        torch._dynamo.graph_break()
-        x = F.relu(self.b(x))
-        torch._dynamo.graph_break()
-        return self.c(x)
-
-
 def test_graph_breaks_stay_one_execution_per_step():
     torch.manual_seed(0)
-    cpu_model = WithGraphBreaks()
+    cpu_model = GraphBreakMLP()
     models = {b: copy.deepcopy(cpu_model).to(device()) for b in (FUSED_STEP, UPSTREAM, FUSED)}
     x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
     counts = {}

@@ -81,6 +81,23 @@ def mlp(depth: int = 3, width: int = 32, d_in: int = 16, d_out: int = 4) -> nn.M
     return nn.Sequential(*layers)
 
 
+class GraphBreakMLP(nn.Module):
+    """A three-layer MLP whose forward dynamo compiles as three graphs (two graph breaks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.a(x))
+        torch._dynamo.graph_break()
+        x = F.relu(self.b(x))
+        torch._dynamo.graph_break()
+        return self.c(x)
+
+
 class SmallCNN(nn.Module):
     def __init__(self, batch_norm: bool = False) -> None:
         super().__init__()
