@@ -1,13 +1,35 @@
+import ast
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+PACKAGE = Path(__file__).resolve().parent / "torch_xla_bridge"
+
+
+def _constants(path: Path) -> dict[str, object]:
+    """The module-level literal constants of ``path``, read without importing the package (that needs torch_xla)."""
+    consts: dict[str, object] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                consts[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:  # an f-string or expression: not a plain constant
+                pass
+    return consts
+
+
+# The version pins live in torch_xla_bridge/names.py, the package version in its __init__.py.
+NAMES = _constants(PACKAGE / "names.py")
+VERSION = _constants(PACKAGE / "__init__.py")["__version__"]
 
 setup(
     name="torch_xla_bridge",
-    version="0.1.0",
+    version=VERSION,
     description="openxla_fused_grad: a torch.compile backend for PyTorch/XLA that runs the "
     "backward pass and gradient accumulation as one XLA execution",
     packages=find_packages(include=["torch_xla_bridge", "torch_xla_bridge.*"]),
     python_requires=">=3.10",
-    install_requires=["torch==2.9.0", "torch_xla==2.9.0"],
+    install_requires=[f"torch=={NAMES['TORCH_VERSION']}", f"torch_xla=={NAMES['TORCH_XLA_VERSION']}"],
     extras_require={
         # torchvision, transformers and accelerate: the drop-in examples the tests run.
         # accelerate 1.16.0 (Trainer runs on it): requires torch>=2.0, so it keeps torch 2.9.0.
@@ -25,8 +47,8 @@ setup(
     },
     entry_points={
         "torch_dynamo_backends": [
-            "openxla_fused_grad = torch_xla_bridge.backend:openxla_fused_grad",
-            "openxla_fused_step = torch_xla_bridge.backend:openxla_fused_step",
+            f"{NAMES['BACKEND_NAME']} = torch_xla_bridge.backend:openxla_fused_grad",
+            f"{NAMES['STEP_BACKEND_NAME']} = torch_xla_bridge.backend:openxla_fused_step",
         ],
     },
 )

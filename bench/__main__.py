@@ -22,7 +22,9 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
-from bench.worker import DYNAMO_MODES, LOOPS, MODES
+from bench.loops import LOOPS, traced_equivalent
+from bench.worker import DYNAMO_MODES, MODES
+from torch_xla_bridge.names import BACKEND_NAME, UPSTREAM_BACKEND_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,9 +37,9 @@ def plan(quick: bool) -> list[dict]:
         # Quick: both optimizer paths on the MLP, the main loop elsewhere (under 5 minutes).
         loops = (["zero_grads", "eager_optimizer"] if w == mlp else ["zero_grads"]) if quick else list(LOOPS)
         for loop in loops:
-            # LazyTensor and torch_xla.compile have no "compiled optimizer"
+            # LazyTensor and torch_xla.compile have no eager-optimizer
             # variant: their optimizer is always traced with the step.
-            modes = DYNAMO_MODES if loop == "eager_optimizer" else MODES
+            modes = MODES if LOOPS[loop].compiled_optimizer else DYNAMO_MODES
             configs += [dict(workload=w, loop=loop, mode=m, study="main", **steps) for m in modes]
     for n in (10, 100) if quick else (10, 100, 1000):
         configs += [dict(workload=f"bank{n}", loop="zero_grads", mode=m, study="parameters", **steps)
@@ -101,10 +103,11 @@ def _key(r: dict) -> tuple:
 def add_ratios(results: list[dict]) -> None:
     """Ratios to upstream `openxla` on the same workload and loop, and step time and RSS to LazyTensor.
 
-    LazyTensor's optimizer is always traced with its step, so its
-    `zero_grads` row is the reference for the `eager_optimizer` loop too.
+    LazyTensor's optimizer is always traced with its step, so its row of the
+    loop's traced equivalent (`zero_grads` for `eager_optimizer`) is the
+    reference for an eager-optimizer loop too.
     """
-    base = {_key(r): r for r in results if r["mode"] == "openxla" and "error" not in r}
+    base = {_key(r): r for r in results if r["mode"] == UPSTREAM_BACKEND_NAME and "error" not in r}
     lazy = {_key(r): r for r in results if r["mode"] == "lazy" and "error" not in r}
     for r in results:
         if "error" in r:
@@ -114,7 +117,7 @@ def add_ratios(results: list[dict]) -> None:
             for field in ("step_ms", "host_ms", "compile_s", "peak_rss_mb"):
                 r[f"{field}_ratio"] = r[field] / b[field]
         study, workload, loop, micro = _key(r)
-        lz = lazy.get(_key(r)) or lazy.get((study, workload, "zero_grads", micro) if loop == "eager_optimizer" else None)
+        lz = lazy.get(_key(r)) or lazy.get((study, workload, traced_equivalent(loop), micro))
         if lz is not None and r["mode"] != "lazy":
             for field in ("step_ms", "peak_rss_mb"):
                 r[f"{field}_ratio_lazy"] = r[field] / lz[field]
@@ -173,7 +176,7 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
             f"{_fmt(r.get('compile_s_ratio'), '.3f')} | {r['peak_rss_mb']:.0f} | {_fmt(r.get('peak_rss_mb_ratio'), '.3f')} | "
             f"{_fmt(r.get('peak_rss_mb_ratio_lazy'), '.3f')} | {r['final_loss']:.5f} |"
         )
-    fused = [r for r in results if r["mode"] == "openxla_fused_grad" and "callback_share" in r]
+    fused = [r for r in results if r["mode"] == BACKEND_NAME and "callback_share" in r]
     if fused:
         lines += ["", "End-of-backward callback (collect + one sync) of `openxla_fused_grad`:", "",
                   "| workload | loop | callback ms | share of step time |", "|---|---|---|---|"]
@@ -220,7 +223,7 @@ def plot(results: list[dict], out: Path) -> None:
             rows = sorted((r for r in results if r["study"] == study and r["mode"] == mode and "error" not in r),
                           key=xfield)
             ax.plot([xfield(r) for r in rows], [r["host_ms"] for r in rows], marker="o", label=f"{mode} host")
-            if mode == "openxla_fused_grad":
+            if mode == BACKEND_NAME:
                 ax.plot([xfield(r) for r in rows], [r["callback_ms"] for r in rows], marker="x", linestyle="--",
                         label="fused: callback + sync")
         ax.set_xscale("log")

@@ -43,12 +43,13 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
+from bench.loops import LOOPS, SPMD_LOOPS, Loop  # noqa: E402
 from bench.models import mlp  # noqa: E402
 from bench.step_time import Trainer, measure  # noqa: E402
+from torch_xla_bridge.names import BACKEND_NAME, UPSTREAM_BACKEND_NAME  # noqa: E402
 
-BACKENDS = ("openxla", "openxla_fused_grad")
+BACKENDS = (UPSTREAM_BACKEND_NAME, BACKEND_NAME)
 LAYOUTS = ("data parallel", "parameter-sharded")
-LOOPS = {"compiled optimizer": True, "eager optimizer + mark_step": False}
 BATCHES = 4  # distinct batches, cycled
 
 
@@ -67,7 +68,7 @@ def shard_largest_dim(model: torch.nn.Module, m: xs.Mesh) -> None:
 class SpmdTrainer(Trainer):
     """One backend's training step on a sharded MLP; timed by bench/step_time.py's ``block``."""
 
-    def __init__(self, backend: str, depth: int, width: int, layout: str, compiled_optimizer: bool) -> None:
+    def __init__(self, backend: str, depth: int, width: int, layout: str, loop: Loop) -> None:
         # Not Trainer.__init__: that builds a single-device workload of
         # bench/worker.py; `block` needs only `step` and `execs`.
         m = mesh()
@@ -83,14 +84,14 @@ class SpmdTrainer(Trainer):
             xs.mark_sharding(x, m, ("data", None))
             xs.mark_sharding(y, m, ("data",))
         fwd = torch.compile(lambda x, y: workload.loss(self.model, (x, y)), backend=backend)
-        opt_step = torch.compile(opt.step, backend=backend) if compiled_optimizer else opt.step
+        opt_step = torch.compile(opt.step, backend=backend) if loop.compiled_optimizer else opt.step
         steps = itertools.count()
 
         def step() -> None:
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=loop.set_to_none)
             fwd(*batches[next(steps) % BATCHES]).backward()
             opt_step()
-            if not compiled_optimizer:
+            if not loop.compiled_optimizer:
                 xm.mark_step()
 
         self.step: Callable[[], None] = step
@@ -100,13 +101,13 @@ class SpmdTrainer(Trainer):
 def timings(depth: int, width: int, blocks: int, block: int, warmup: int) -> list[dict]:
     rows = []
     for layout in LAYOUTS:
-        for loop, compiled_optimizer in LOOPS.items():
+        for loop in (LOOPS[name] for name in SPMD_LOOPS):
             torch._dynamo.reset()
-            trainers = {b: SpmdTrainer(b, depth, width, layout, compiled_optimizer) for b in BACKENDS}
+            trainers = {b: SpmdTrainer(b, depth, width, layout, loop) for b in BACKENDS}
             for t in trainers.values():
                 t.block(warmup, wait_each_step=True)
                 t.execs.clear()
-            row: dict[str, Any] = dict(layout=layout, loop=loop, depth=depth, width=width, steps=blocks * block)
+            row: dict[str, Any] = dict(layout=layout, loop=loop.optimizer, depth=depth, width=width, steps=blocks * block)
             row.update(measure(trainers, blocks, block, wait_each_step=False))
             row["executions_per_step"] = {b: statistics.mode(t.execs) for b, t in trainers.items()}
             up, ours = (list(trainers[b].model.parameters()) for b in BACKENDS)
@@ -153,14 +154,14 @@ def main() -> None:
     changes = {b: layout_change(b) for b in reversed(BACKENDS)}
     print(f"{args.depth}-layer MLP, width {args.width}, batch 64 over {xr.global_runtime_device_count()} "
           f"SPMD devices, SGD(momentum), {args.blocks} blocks of {args.block} steps per backend, alternated, pipelined")
-    ours = BACKENDS[1]
+    up, ours = BACKENDS
     print(f"{'layout':17} | {'loop':27} | {'openxla ms':>10} | {'fused ms':>9} | {'ratio':>6} | {'block ratio':>11} | "
           f"{'cpu ratio':>9} | execs/step | max |param diff|")
     for r in rows:
         m, e = r["median_ms"], r["executions_per_step"]
-        print(f"{r['layout']:17} | {r['loop']:27} | {m['openxla']:10.3f} | {m[ours]:9.3f} | "
-              f"{r['ratio_to_openxla'][ours]:6.3f} | {r['median_block_ratio_to_openxla'][ours]:11.3f} | "
-              f"{r['cpu_ratio_to_openxla'][ours]:9.3f} | {e['openxla']} -> {e[ours]:<5} | {r['max_param_diff']:.3g}")
+        print(f"{r['layout']:17} | {r['loop']:27} | {m[up]:10.3f} | {m[ours]:9.3f} | "
+              f"{r[f'ratio_to_{up}'][ours]:6.3f} | {r[f'median_block_ratio_to_{up}'][ours]:11.3f} | "
+              f"{r[f'cpu_ratio_to_{up}'][ours]:9.3f} | {e[up]} -> {e[ours]:<5} | {r['max_param_diff']:.3g}")
     for b, outcome in changes.items():
         print(f"batch layout change after 7 steps, {b}: {outcome}")
     if args.json:

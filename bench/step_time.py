@@ -31,15 +31,12 @@ import torch._dynamo  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 
-from bench.worker import MODES, build_step, executions  # noqa: E402
+from bench.loops import LOOPS, STEP_TIME_LOOPS  # noqa: E402
+from bench.worker import MODES, build_step  # noqa: E402
+from torch_xla_bridge.counting import executions  # noqa: E402
+from torch_xla_bridge.names import BACKEND_NAME, UPSTREAM_BACKEND_NAME  # noqa: E402
 
-BASELINE = "openxla"
-# The loop of bench/worker.py -> its display name.
-LOOPS = {
-    "zero_grads": "set_to_none=False, compiled optimizer",
-    "set_to_none": "set_to_none=True, compiled optimizer",
-    "eager_optimizer": "eager optimizer + mark_step",
-}
+BASELINE = UPSTREAM_BACKEND_NAME
 
 
 class Trainer:
@@ -57,14 +54,14 @@ class Trainer:
         far less than its wall time.
         """
         xm.wait_device_ops()
-        e0 = executions()
+        e0 = executions(wait=False)  # waited for just above, before the clock starts
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.step()
             if wait_each_step:
                 xm.wait_device_ops()
         xm.wait_device_ops()
-        self.execs.append((executions() - e0) // steps)
+        self.execs.append((executions(wait=False) - e0) // steps)
         return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
@@ -87,7 +84,7 @@ def measure(trainers: dict[str, Trainer], blocks: int, block: int, wait_each_ste
             out[f"ratio_to_{ref}"] = {m: round(v / med[ref], 3) for m, v in med.items() if m != ref}
             out[f"cpu_ratio_to_{ref}"] = {m: round(v / med_cpu[ref], 3) for m, v in med_cpu.items() if m != ref}
     if BASELINE in times:
-        out["median_block_ratio_to_openxla"] = {
+        out[f"median_block_ratio_to_{BASELINE}"] = {
             m: round(statistics.median(a / b for a, b in zip(t, times[BASELINE], strict=True)), 3)
             for m, t in times.items() if m != BASELINE
         }
@@ -105,7 +102,7 @@ def run(workload: str, modes: list[str], loops: list[str], blocks: int, block: i
             t.block(warmup, wait_each_step=True)
             t.execs.clear()
         for timing, wait_each_step in (("pipelined", False), ("synchronous", True)):
-            row = dict(loop=LOOPS[loop], timing=timing, workload=workload, steps=blocks * block)
+            row = dict(loop=LOOPS[loop].label, timing=timing, workload=workload, steps=blocks * block)
             row.update(measure(trainers, blocks, block, wait_each_step))
             row["executions_per_step"] = {m: statistics.mode(t.execs) for m, t in trainers.items()}
             rows.append(row)
@@ -115,17 +112,17 @@ def run(workload: str, modes: list[str], loops: list[str], blocks: int, block: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="mlp32x256", help="a workload of bench/models.py")
-    ap.add_argument("--modes", default="openxla,openxla_fused_grad", help=f"comma-separated, from {MODES}")
-    ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, from {tuple(LOOPS)}")
+    ap.add_argument("--modes", default=f"{BASELINE},{BACKEND_NAME}", help=f"comma-separated, from {MODES}")
+    ap.add_argument("--loops", default=",".join(STEP_TIME_LOOPS), help=f"comma-separated, from {STEP_TIME_LOOPS}")
     ap.add_argument("--blocks", type=int, default=24, help="timed blocks per mode and timing")
     ap.add_argument("--block", type=int, default=5, help="steps per block")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     modes, loops = args.modes.split(","), args.loops.split(",")
-    unknown = [m for m in modes if m not in MODES] + [lp for lp in loops if lp not in LOOPS]
+    unknown = [m for m in modes if m not in MODES] + [lp for lp in loops if lp not in STEP_TIME_LOOPS]
     if unknown:
-        ap.error(f"unknown modes or loops {unknown}; modes: {MODES}, loops: {tuple(LOOPS)}")
+        ap.error(f"unknown modes or loops {unknown}; modes: {MODES}, loops: {STEP_TIME_LOOPS}")
     rows = run(args.workload, modes, loops, args.blocks, args.block, args.warmup)
     print(f"{args.workload}, SGD(momentum), {args.blocks} blocks of {args.block} steps per mode and timing, "
           f"alternated, on {torch_xla.device()}")

@@ -22,24 +22,14 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
 
+from bench.loops import LOOPS  # noqa: E402
 from bench.models import by_name  # noqa: E402
+from torch_xla_bridge.counting import executions  # noqa: E402
+from torch_xla_bridge.names import BACKEND_NAME, BACKEND_NAMES, UPSTREAM_BACKEND_NAME  # noqa: E402
 
-MODES = ("openxla", "openxla_fused_grad", "openxla_fused_step", "lazy", "torch_xla.compile")
+MODES = (UPSTREAM_BACKEND_NAME, *BACKEND_NAMES, "lazy", "torch_xla.compile")
 DYNAMO_MODES = MODES[:3]
-# name -> (set_to_none, micro-batches per step, optimizer compiled with the backend)
-LOOPS: dict[str, tuple[bool, int, bool]] = {
-    "set_to_none": (True, 1, True),
-    "zero_grads": (False, 1, True),
-    "accumulate4": (False, 4, True),
-    "eager_optimizer": (False, 1, False),
-}
-
-
-def executions() -> int:
-    # Under SPMD every program is a replicated execution, with a metric of its own.
-    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
 
 
 def _time_callbacks() -> list[float]:
@@ -59,8 +49,9 @@ def _time_callbacks() -> list[float]:
 
 
 def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
-    mode, (set_to_none, micro, compiled_opt) = cfg["mode"], LOOPS[cfg["loop"]]
-    micro = cfg.get("micro", micro)
+    mode, loop = cfg["mode"], LOOPS[cfg["loop"]]
+    set_to_none, compiled_opt = loop.set_to_none, loop.compiled_optimizer
+    micro = cfg.get("micro", loop.micro)
     workload = by_name(cfg["workload"])
     dev = torch_xla.device()
     torch.manual_seed(0)
@@ -111,13 +102,13 @@ def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
 
 
 def run(cfg: dict) -> dict:
-    callbacks = _time_callbacks() if cfg["mode"] == "openxla_fused_grad" else []
+    callbacks = _time_callbacks() if cfg["mode"] == BACKEND_NAME else []
     step, _ = build_step(cfg)
     steps, warmup = cfg.get("steps", 20), cfg.get("warmup", 3)
     host, total, execs, losses, callback_s = [], [], [], [], []
     for i in range(warmup + steps):
         xm.wait_device_ops()
-        e0 = executions()
+        e0 = executions(wait=False)  # waited for just above
         n_callbacks = len(callbacks)
         t0 = time.perf_counter()
         loss = step()
@@ -129,7 +120,7 @@ def run(cfg: dict) -> dict:
         if i >= warmup:
             host.append(t1 - t0)
             total.append(t2 - t0)
-            execs.append(executions() - e0)
+            execs.append(executions(wait=False) - e0)
             callback_s.append(sum(callbacks[n_callbacks:]))
             losses.append(loss.item())
     out = dict(

@@ -31,9 +31,10 @@ import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
+from torch_xla_bridge.names import BACKEND_NAMES, UPSTREAM_BACKEND_NAME  # noqa: E402
 
 EAGER_XLA = "eager XLA"
-BACKENDS = (EAGER_XLA, "openxla", "openxla_fused_grad", "openxla_fused_step")
+BACKENDS = (EAGER_XLA, UPSTREAM_BACKEND_NAME, *BACKEND_NAMES)
 RTOL, ATOL = 1e-5, 1e-5
 
 # The autograd engine sizes its device queues at its first backward: the XLA

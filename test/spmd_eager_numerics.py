@@ -12,11 +12,9 @@ scale check on a sharded input.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
-import warnings
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
@@ -34,27 +32,18 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
 from numerics_survey import unfused_warnings  # noqa: E402
-from test_eager_numerics import DropoutBNNet, ReplayDropout  # noqa: E402
-from xla_helpers import FUSED, FUSED_STEP, executions  # noqa: E402
+from test_eager_numerics import ReplayedTraining  # noqa: E402
+from xla_helpers import FUSED, FUSED_STEP, executions, recorded_warnings  # noqa: E402
 
 STEPS = 4
 
 
 def train(backend: str, mesh: xs.Mesh) -> dict:
     torch._dynamo.reset()
-    p = 0.3
-    torch.manual_seed(0)
-    reference = DropoutBNNet(p)
-    model = copy.deepcopy(reference).to(torch_xla.device())
-    replay = ReplayDropout(p)
-    reference.drop = replay
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    compiled = torch.compile(model, backend=backend)
+    run = ReplayedTraining.build(backend, p=0.3)
     g = torch.Generator().manual_seed(1)
     execs, masks = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(STEPS):
             x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
             xd, yd = x.to(torch_xla.device()), y.to(torch_xla.device())
@@ -62,19 +51,14 @@ def train(backend: str, mesh: xs.Mesh) -> dict:
             xs.mark_sharding(yd, mesh, ("data", None))
             xm.mark_step()
             e0 = executions()
-            opt.zero_grad()
-            out, h = compiled(xd)
-            F.mse_loss(out, yd).backward()
-            opt.step()
-            xm.mark_step()
+            _, h = run.xla_step(xd, yd)
             execs.append(executions() - e0)
-            replay.mask = (h.detach().cpu() != 0).float()
-            masks.append(replay.mask)
-            ref_opt.zero_grad()
-            F.mse_loss(reference(x)[0], y).backward()
-            ref_opt.step()
-        want = reference.state_dict()
-        state_err = max((v.cpu().double() - want[k].double()).abs().max().item() for k, v in model.state_dict().items())
+            run.cpu_step(x, y, h)
+            masks.append(run.replay.mask)
+        want = run.reference.state_dict()
+        state_err = max(
+            (v.cpu().double() - want[k].double()).abs().max().item() for k, v in run.model.state_dict().items()
+        )
         torch._dynamo.reset()
         x = (torch.rand(4096) + 0.5).to(torch_xla.device()).requires_grad_()
         xs.mark_sharding(x, mesh, ("data",))

@@ -12,9 +12,12 @@ from xla_helpers import (
     FUSED,
     SYNC_COUNTER,
     UPSTREAM,
+    GraphBreakMLP,
     SmallCNN,
     TinyTransformer,
+    assert_grads_match,
     counter,
+    cpu_and_xla_copy,
     cpu_state,
     device,
     executions,
@@ -49,21 +52,6 @@ def both_backends(make, run, steps: int = 3):
             run(model, compiled, step, backend)
         out[backend] = model
     return out[FUSED], out[UPSTREAM]
-
-
-class GraphBreakMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 4)
-
-    def forward(self, x):
-        x = torch.relu(self.a(x))
-        torch._dynamo.graph_break()
-        x = torch.relu(self.b(x))
-        torch._dynamo.graph_break()
-        return self.c(x)
 
 
 def test_graph_break_one_callback_one_execution():
@@ -236,9 +224,9 @@ class ReplayDropout(nn.Module):
 
 def test_dropout_matches_eager_cpu():
     """Gradients as eager CPU's with the same mask (upstream scales by 1/p, twice in the backward)."""
-    torch.manual_seed(0)
-    cpu_model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
-    fused = copy.deepcopy(cpu_model).to(device())
+    cpu_model, fused = cpu_and_xla_copy(
+        lambda: nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
+    )
     cpu_model[1] = ReplayDropout(0.5)
     x = torch.randn(8, 16)
 
@@ -264,9 +252,7 @@ def test_dropout_matches_eager_cpu():
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_modes_eager_cpu_reference(set_to_none):
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
+    cpu_model, model = cpu_and_xla_copy(mlp)
     compiled = torch.compile(model, backend=FUSED)
     xs = [torch.randn(8, 16) for _ in range(3)]
     for x in xs:
@@ -274,8 +260,7 @@ def test_zero_grad_modes_eager_cpu_reference(set_to_none):
         cpu_model.zero_grad(set_to_none=set_to_none)
         compiled(x.to(device())).square().mean().backward()
         cpu_model(x).square().mean().backward()
-    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert_grads_match(model, cpu_model)
 
 
 def test_changing_batch_size_relowers_per_shape():

@@ -8,12 +8,13 @@ deterministic ones value by value against eager CPU. See docs/numerics.md.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
-import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 import torch_xla.core.xla_model as xm
 
 import numerics_survey as survey
-from xla_helpers import FUSED, FUSED_STEP, device, executions
+from xla_helpers import FUSED, FUSED_STEP, cpu_and_xla_copy, device, executions, recorded_warnings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BACKENDS = [FUSED, FUSED_STEP]
@@ -50,8 +51,7 @@ def test_dropout_scale_fraction_and_mask_match_eager_cpu(backend, p):
     x = x_cpu.to(device()).requires_grad_()
     compiled = torch.compile(lambda t: F.dropout(t, p, training=True), backend=backend)
     masks, execs = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(3):
             x.grad = None
             e0 = executions()
@@ -77,8 +77,7 @@ def test_dropout_scale_fraction_and_mask_match_eager_cpu(backend, p):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_op_matches_eager_cpu(backend, case):
     """Dropout variants, SDPA's attention dropout and rrelu: see numerics_survey.RANDOM."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         assert survey.RANDOM[case](backend) == []
     assert survey.unfused_warnings(caught) == []
 
@@ -87,8 +86,7 @@ def test_random_op_matches_eager_cpu(backend, case):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_op_matches_eager_cpu(backend, case):
     """Outputs of two steps, every gradient and every buffer, to rtol/atol 1e-5."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         assert survey.deterministic_mismatches(case, backend) == []
     assert survey.unfused_warnings(caught) == []
 
@@ -138,6 +136,50 @@ class ReplayDropout(nn.Module):
         return x * self.mask / (1 - self.p)
 
 
+@dataclasses.dataclass
+class ReplayedTraining:
+    """A DropoutBNNet trained on XLA beside its eager CPU copy, which replays each XLA step's dropout mask.
+
+    Both train with SGD(momentum); shared by this file and spmd_eager_numerics.py.
+    """
+
+    model: nn.Module
+    compiled: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    reference: nn.Module
+    replay: ReplayDropout
+    opt: torch.optim.Optimizer
+    ref_opt: torch.optim.Optimizer
+
+    @classmethod
+    def build(cls, backend: str, p: float) -> ReplayedTraining:
+        reference, model = cpu_and_xla_copy(lambda: DropoutBNNet(p))
+        replay = ReplayDropout(p)
+        reference.drop = replay
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        return cls(model, torch.compile(model, backend=backend), reference, replay, opt, ref_opt)
+
+    def xla_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step on the device, ended by ``mark_step``; returns the loss and the dropout's output."""
+        self.opt.zero_grad()
+        out, h = self.compiled(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        self.opt.step()
+        xm.mark_step()
+        return loss, h
+
+    def cpu_step(self, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The same step on the CPU copy, with the mask of the XLA step's dropout output ``h``; returns the loss."""
+        # A zero in h is a dropped unit, or a ReLU zero, for which the mask does not matter.
+        self.replay.mask = (h.detach().cpu() != 0).float()
+        self.ref_opt.zero_grad()
+        loss = F.mse_loss(self.reference(x)[0], y)
+        loss.backward()
+        self.ref_opt.step()
+        return loss
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_training_with_dropout_and_batchnorm_matches_eager_cpu(backend):
     """Four SGD(momentum) steps: parameters, BatchNorm buffers and losses as eager CPU with the same masks.
@@ -147,44 +189,26 @@ def test_training_with_dropout_and_batchnorm_matches_eager_cpu(backend):
     zero, for which the mask does not matter).
     """
     p, steps = 0.3, 4
-    torch.manual_seed(0)
-    reference = DropoutBNNet(p)
-    model = copy.deepcopy(reference).to(device())
-    replay = ReplayDropout(p)
-    reference.drop = replay
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    compiled = torch.compile(model, backend=backend)
+    run = ReplayedTraining.build(backend, p)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
     execs, losses, ref_losses = [], [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for x, y in batches:
             e0 = executions()
-            opt.zero_grad()
-            out, h = compiled(x.to(device()))
-            loss = F.mse_loss(out, y.to(device()))
-            loss.backward()
-            opt.step()
-            xm.mark_step()
+            loss, h = run.xla_step(x.to(device()), y.to(device()))
             execs.append(executions() - e0)
             losses.append(loss.item())
-            replay.mask = (h.detach().cpu() != 0).float()
-            ref_opt.zero_grad()
-            ref_loss = F.mse_loss(reference(x)[0], y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_losses.append(ref_loss.item())
+            ref_losses.append(run.cpu_step(x, y, h).item())
     assert survey.unfused_warnings(caught) == []
     # forward, backward, eager optimizer at mark_step; or one execution per step.
     assert execs[2:] == [EXECUTIONS[backend] + (backend == FUSED)] * (steps - 2)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    want = {k: v.detach() for k, v in reference.state_dict().items()}
-    for name, value in model.state_dict().items():
+    want = {k: v.detach() for k, v in run.reference.state_dict().items()}
+    for name, value in run.model.state_dict().items():
         torch.testing.assert_close(value.cpu(), want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     # Dropout was on: about 30% of the units that ReLU let through were dropped.
-    assert 0.1 < 1 - replay.mask.mean().item() < 0.9
+    assert 0.1 < 1 - run.replay.mask.mean().item() < 0.9
 
 
 def test_spmd_training_with_dropout_and_batchnorm_matches_eager_cpu(tmp_path):

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch._dynamo
 
+from xla_helpers import FUSED, UPSTREAM
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -20,7 +22,7 @@ def load(name: str):
 def test_example_losses_match_upstream(example):
     main = load(example).main
     losses = {}
-    for backend in ("openxla_fused_grad", "openxla"):
+    for backend in (FUSED, UPSTREAM):
         torch._dynamo.reset()
         losses[backend] = main(["--backend", backend, "--steps", "3"])
-    assert losses["openxla_fused_grad"] == pytest.approx(losses["openxla"], rel=1e-5, abs=1e-6)
+    assert losses[FUSED] == pytest.approx(losses[UPSTREAM], rel=1e-5, abs=1e-6)

@@ -1,7 +1,5 @@
 """Where fusing is impossible: upstream behaviour, correct, said once; bad input: a clear error."""
 
-import copy
-import warnings
 from unittest import mock
 
 import pytest
@@ -9,37 +7,44 @@ import torch
 import torch.nn as nn
 
 from torch_xla_bridge.deferred import DeferredGraph
-from xla_helpers import FUSED, FUSED_STEP, device, executions, mlp, pending
+from xla_helpers import (
+    FUSED,
+    FUSED_STEP,
+    assert_grads_match,
+    cpu_and_xla_copy,
+    device,
+    executions,
+    messages_naming,
+    mlp,
+    pending,
+    recorded_warnings,
+)
 
 
 def run_steps(model: nn.Module, loss_of, steps: int = 2, **backward_kw):
-    """Trains the compiled `model` for `steps` steps; returns the warnings our backend gave."""
+    """Trains the compiled `model` for `steps` steps; returns the messages of the warnings our backend gave."""
     compiled = torch.compile(model, backend=FUSED)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(steps):
             model.zero_grad()
             loss_of(compiled).backward(**backward_kw)
-    return [w for w in caught if "openxla_fused_grad" in str(w.message)]
+    return messages_naming(caught, FUSED)
 
 
 def assert_falls_back_once(make_model, reason: str, steps: int = 2, **backward_kw) -> None:
     """Runs a model on XLA; asserts one warning containing `reason` and gradients equal to eager CPU."""
-    torch.manual_seed(0)
-    cpu_model = make_model()
-    model = copy.deepcopy(cpu_model).to(device())
+    cpu_model, model = cpu_and_xla_copy(make_model)
     x = torch.randn(8, 16)
 
     def loss_of(m):
         return m(x.to(next(m.parameters()).device)).square().mean()
 
     ours = run_steps(model, loss_of, steps=steps, **backward_kw)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert reason in str(ours[0].message)
+    assert len(ours) == 1, ours
+    assert reason in ours[0]
     cpu_model.zero_grad()
     loss_of(cpu_model).backward(**backward_kw)
-    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_match(model, cpu_model)
 
 
 def test_create_graph_falls_back_with_one_warning():
@@ -83,15 +88,14 @@ def test_random_op_in_backward_is_fused_and_reseeded_every_call():
     compiled = torch.compile(lambda x: NoisyIdentity.apply(lin(x)), backend=FUSED)
     x = torch.randn(8, 16).to(device())
     grads, execs = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(3):
             lin.zero_grad()
             e0 = executions()
             compiled(x).sum().backward()
             execs.append(executions() - e0)
             grads.append(lin.bias.grad.cpu())
-    assert [str(w.message) for w in caught if FUSED in str(w.message)] == []
+    assert messages_naming(caught, FUSED) == []
     assert execs[1:] == [2, 2]  # forward, backward with accumulation
     for g in grads:  # d(sum)/d(bias) = sum over 8 rows of (1 + noise in [0, 1))
         assert ((g >= 8) & (g < 16)).all(), g
@@ -120,34 +124,28 @@ def test_model_on_cpu_trains_like_upstream(backend):
     cpu_model.load_state_dict(model.state_dict())
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(8, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         compiled(x).square().mean().backward()
     assert any("Found tensor with shape" in str(w.message) for w in caught)
     cpu_model(x).square().mean().backward()
-    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
-        assert p.grad.device.type == "cpu"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert {p.grad.device.type for p in model.parameters()} == {"cpu"}
+    assert_grads_match(model, cpu_model)
 
 
 @pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
 def test_data_input_on_cpu_trains_like_upstream(backend):
     """A CPU batch moved inside the graph: upstream warns and runs it; so do we, correctly."""
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
+    cpu_model, model = cpu_and_xla_copy(mlp)
     dev = device()
     compiled = torch.compile(lambda x: model(x.to(dev)), backend=backend)
     x = torch.randn(8, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(2):
             compiled(x).square().mean().backward()
     messages = [str(w.message) for w in caught]
     assert any("Found tensor with shape torch.Size([8, 16]) on cpu" in m for m in messages), messages
     cpu_model(x).square().mean().backward()
-    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.cpu(), 2 * q.grad, rtol=1e-5, atol=1e-6)
+    assert_grads_match(model, cpu_model, scale=2)  # two backward passes accumulated against one
     if backend == FUSED:
         # Only the forward meets the CPU input: the backward stays fused, no .grad left pending.
         assert not any(pending([p.grad for p in model.parameters()]))
@@ -162,8 +160,7 @@ def test_inference_graph_on_cpu_runs_like_upstream(backend):
     """All inputs on the CPU (as in upstream's own bridge tests): upstream's warning and result."""
     f = torch.compile(lambda a, b: a @ b + 1, backend=backend)
     a, b = torch.randn(3, 3), torch.randn(3, 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         out = f(a, b)
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, a @ b + 1)
@@ -185,21 +182,17 @@ def test_compiled_autograd_says_the_backward_is_not_fused(backend):
     """Compiled autograd traces the backward itself: correct gradients, one warning naming it."""
     import torch._dynamo.compiled_autograd as compiled_autograd
 
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
+    cpu_model, model = cpu_and_xla_copy(mlp)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(8, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(2):
             # .sum(): with .mean() compiled autograd's graph gets a CPU scalar that upstream's
             # bridge rejects ("Expected XLA tensor"), with upstream openxla too.
             loss = compiled(x.to(device())).square().sum()
             with compiled_autograd._enable(torch.compile(backend=backend)):
                 loss.backward()
-    ours = [str(w.message) for w in caught if backend in str(w.message)]
+    ours = messages_naming(caught, backend)
     assert len(ours) == 1 and "compiled autograd is enabled" in ours[0], ours
     cpu_model(x).square().sum().backward()
-    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.cpu(), 2 * q.grad, rtol=1e-5, atol=1e-6)
+    assert_grads_match(model, cpu_model, scale=2)  # two backward passes accumulated against one

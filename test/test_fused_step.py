@@ -2,7 +2,6 @@
 
 import copy
 import gc
-import warnings
 
 import pytest
 import torch
@@ -16,16 +15,21 @@ from xla_helpers import (
     FUSED_STEP,
     STEP_COUNTER,
     UPSTREAM,
+    GraphBreakMLP,
+    assert_grads_match,
     cnn_task,
     counter,
+    cpu_and_xla_copy,
     cpu_state,
     device,
     executions,
     live_xla_tensors,
     make_model,
+    messages_naming,
     mlp,
     mlp_task,
     pending,
+    recorded_warnings,
     train,
     transformer_task,
 )
@@ -99,22 +103,9 @@ def test_gradient_accumulation_is_one_execution_per_step():
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-6, atol=1e-7)
 
 
-class WithGraphBreaks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
-
-    def forward(self, x):
-        x = F.relu(self.a(x))
-        torch._dynamo.graph_break()
-        x = F.relu(self.b(x))
-        torch._dynamo.graph_break()
-        return self.c(x)
-
-
 def test_graph_breaks_stay_one_execution_per_step():
     torch.manual_seed(0)
-    cpu_model = WithGraphBreaks()
+    cpu_model = GraphBreakMLP()
     models = {b: copy.deepcopy(cpu_model).to(device()) for b in (FUSED_STEP, UPSTREAM, FUSED)}
     x, y = torch.randn(8, 16).to(device()), torch.randn(8, 4).to(device())
     counts = {}
@@ -147,8 +138,7 @@ def test_loss_read_mid_step_degrades_once_and_stays_correct(read_at):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
         losses[backend], counts[backend] = [], []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with recorded_warnings() as caught:
             for _ in range(5):
                 e0 = executions()
                 loss = fwd(x, y)
@@ -162,7 +152,7 @@ def test_loss_read_mid_step_degrades_once_and_stays_correct(read_at):
                 xm.mark_step()
                 counts[backend].append(executions() - e0)
         if backend == FUSED_STEP:
-            ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
+            ours = messages_naming(caught, FUSED_STEP)
             assert len(ours) == 1, ours
             assert f"between its {'forward and backward' if read_at == 'before_backward' else 'backward and'}" in ours[0]
     # Step 1 reads the deferred forward (1 execution) and computes it again in the
@@ -237,8 +227,7 @@ def test_dropout_is_fused_with_a_fresh_mask_every_step():
         compiled = torch.compile(model, backend=backend) if backend else model
         x = torch.randn(8, 16).to(dev)
         counts = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with recorded_warnings() as caught:
             for _ in range(4):
                 model.zero_grad()
                 e0 = executions()
@@ -255,7 +244,7 @@ def test_dropout_is_fused_with_a_fresh_mask_every_step():
                 if backend == FUSED_STEP:
                     masks.append(out != 0)
         if backend == FUSED_STEP:
-            assert [str(w.message) for w in caught if FUSED_STEP in str(w.message)] == []
+            assert messages_naming(caught, FUSED_STEP) == []
             assert counts[1:] == [1, 1, 1]
     assert ratios[FUSED_STEP] == ratios[None] == {2.0}
     assert all(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(masks, masks[1:]))  # not frozen
@@ -335,21 +324,17 @@ def test_changing_batch_size_relowers_per_shape():
 
 
 def test_create_graph_is_correct():
-    torch.manual_seed(0)
-    cpu_model = mlp()
-    model = copy.deepcopy(cpu_model).to(device())
+    cpu_model, model = cpu_and_xla_copy(mlp)
     compiled = torch.compile(model, backend=FUSED_STEP)
     x = torch.randn(8, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recorded_warnings() as caught:
         for _ in range(2):
             model.zero_grad()
             compiled(x.to(device())).square().mean().backward(create_graph=True)
             xm.mark_step()
-    assert any("create_graph=True" in str(w.message) for w in caught if FUSED_STEP in str(w.message))
+    assert any("create_graph=True" in m for m in messages_naming(caught, FUSED_STEP))
     cpu_model(x).square().mean().backward(create_graph=True)
-    for p, q in zip(model.parameters(), cpu_model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.detach().cpu(), q.grad.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_match(model, cpu_model)
 
 
 def test_resolves_without_import():
@@ -384,8 +369,7 @@ def test_optimizer_compiled_with_another_backend_degrades_once():
         fwd = torch.compile(lambda x, y, m=m: F.mse_loss(m(x), y), backend=backend)
         step = torch.compile(opt.step, backend=UPSTREAM)
         losses[backend] = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with recorded_warnings() as caught:
             for _ in range(5):
                 e0 = executions()
                 loss = fwd(x, y)
@@ -396,7 +380,7 @@ def test_optimizer_compiled_with_another_backend_degrades_once():
                 if backend == FUSED_STEP:
                     counts.append(executions() - e0)
         if backend == FUSED_STEP:
-            ours = [str(w.message) for w in caught if FUSED_STEP in str(w.message)]
+            ours = messages_naming(caught, FUSED_STEP)
             assert len(ours) == 1 and "executed by something other than" in ours[0], ours
     # Forward on its own, the optimizer's input sync (backward + accumulation), the optimizer.
     assert counts[WARMUP:] == [3, 3, 3]

@@ -8,58 +8,42 @@ everything runs in subprocesses that import the copy first (PYTHONPATH).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
-import re
-import shutil
-import subprocess
 import sys
 
 import pytest
 
+from patched_tree import ROOT, apply_cleanly, copy_installed, run_with_path
+
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 PATCH = ROOT / "upstream" / "accelerate" / "0001-TorchDynamoPlugin-accept-registered-backends.patch"
 UPSTREAM_TEST = ROOT / "upstream" / "accelerate" / "test_dynamo_backend_names.py"
 
 
-def _run(args: list[str], pythonpath: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=pythonpath)
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def patched_root(tmp_path_factory) -> pathlib.Path:
-    if shutil.which("patch") is None:
-        pytest.skip("GNU patch is not installed (apt-get install patch)")
-    root = tmp_path_factory.mktemp("accelerate")
-    installed = pathlib.Path(importlib.util.find_spec("accelerate").origin).parent
-    shutil.copytree(installed, root / "accelerate", ignore=shutil.ignore_patterns("__pycache__"))
-    applied = subprocess.run(
-        ["patch", "-p2", "-i", str(PATCH)], cwd=root, capture_output=True, text=True, timeout=60
-    )
-    assert applied.returncode == 0, applied.stdout + applied.stderr
-    # A clean patch: no hunk needed an offset or fuzz to apply.
-    assert not re.search(r"offset|fuzz|FAILED", applied.stdout + applied.stderr), applied.stdout
-    which = _run([sys.executable, "-c", "import accelerate; print(accelerate.__file__)"], str(root))
+    root = copy_installed(tmp_path_factory, "accelerate", "accelerate", "patch",
+                          "GNU patch is not installed (apt-get install patch)")
+    apply_cleanly(["patch", "-p2", "-i", str(PATCH)], root)
+    which = run_with_path([sys.executable, "-c", "import accelerate; print(accelerate.__file__)"], root)
     assert which.stdout.strip() == str(root / "accelerate" / "__init__.py"), which.stdout + which.stderr
     return root
 
 
 def test_upstream_test_fails_without_the_patch():
     # The test detects the bug: against the installed accelerate, every name outside the enum is rejected.
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(UPSTREAM_TEST)], "")
+    proc = run_with_path([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(UPSTREAM_TEST)], None)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "5 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
     assert "is not a valid DynamoBackend" in proc.stdout
 
 
 def test_upstream_test_passes_with_the_patch(patched_root):
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(UPSTREAM_TEST)], str(patched_root))
+    proc = run_with_path([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(UPSTREAM_TEST)], patched_root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "6 passed" in proc.stdout, proc.stdout[-3000:]
 
@@ -98,7 +82,7 @@ print("RESULTS", json.dumps(out))
 
 
 def test_framework_switches_take_our_backend_with_the_patch(patched_root):
-    proc = _run([sys.executable, "-c", _BOTH_WAYS, "openxla_fused_step"], f"{patched_root}{os.pathsep}{ROOT}")
+    proc = run_with_path([sys.executable, "-c", _BOTH_WAYS, "openxla_fused_step"], f"{patched_root}{os.pathsep}{ROOT}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1].splitlines()[0])
     for example in ("train_hf_trainer", "train_accelerate"):

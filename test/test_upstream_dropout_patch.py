@@ -7,45 +7,27 @@ upstream-style test run in subprocesses that import the patched copy.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 import re
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from patched_tree import ROOT, apply_cleanly, copy_installed, run_script
+
 PATCH = ROOT / "upstream" / "bugs" / "native-dropout-scale.patch"
 REPRODUCER = ROOT / "upstream" / "bugs" / "native_dropout_scale.py"
 
 
 def _run(script: pathlib.Path, pythonpath: pathlib.Path | None, *args: str) -> tuple[int, str]:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    env.pop("PYTHONPATH", None)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
-    code = "import runpy, sys, torch_xla; print('TORCH_XLA_FILE', torch_xla.__file__, flush=True); " \
-        "path = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(path, run_name='__main__')"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(script), *args],
-        cwd=pythonpath or ROOT, capture_output=True, text=True, env=env, timeout=600,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    proc, out = run_script(script, pythonpath, *args, cwd=pythonpath or ROOT)
+    return proc.returncode, out
 
 
 @pytest.fixture(scope="module")
 def patched_root(tmp_path_factory) -> pathlib.Path:
-    if shutil.which("patch") is None:
-        pytest.skip("GNU patch is not installed (apt-get install patch)")
-    root = tmp_path_factory.mktemp("pytorch_xla_0002")
-    installed = pathlib.Path(importlib.util.find_spec("torch_xla").origin).parent
-    shutil.copytree(installed, root / "torch_xla", ignore=shutil.ignore_patterns("__pycache__"))
-    proc = subprocess.run(["patch", "-p1", "-i", str(PATCH)], cwd=root, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not re.search(r"offset|fuzz|FAILED", proc.stdout + proc.stderr), proc.stdout  # applies cleanly
+    root = copy_installed(tmp_path_factory, "torch_xla", "pytorch_xla_0002", "patch",
+                          "GNU patch is not installed (apt-get install patch)")
+    apply_cleanly(["patch", "-p1", "-i", str(PATCH)], root)
     return root
 
 

@@ -64,11 +64,10 @@ class Run:
     def executions(self) -> int:
         if not self.on_xla:
             return 0
-        import torch_xla.core.xla_model as xm
-        import torch_xla.debug.metrics as met
+        # Imported here: eager CPU loops run without torch_xla.
+        from torch_xla_bridge.counting import executions
 
-        xm.wait_device_ops()
-        return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
+        return executions()
 
     def end_iteration(self) -> None:
         now = self.executions()

@@ -1,9 +1,20 @@
-"""Shared helpers for the test suite: execution counting, models, training loops."""
+"""Shared helpers for the test suite: execution counting, models, training loops, eager CPU references.
+
+They need only torch and torch_xla, never this package: upstream/measure.py
+uses them in a process that measures the upstream patch alone and asserts that
+``torch_xla_bridge`` was never imported.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
-from typing import Callable, Optional
+import importlib.util
+import pathlib
+import warnings
+from types import ModuleType
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -12,11 +23,22 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-UPSTREAM = "openxla"
-FUSED = "openxla_fused_grad"
-FUSED_STEP = "openxla_fused_step"
-SYNC_COUNTER = "OpenxlaFusedGradSync"
-STEP_COUNTER = "OpenxlaFusedStepSync"
+
+def _names() -> ModuleType:
+    """torch_xla_bridge/names.py, loaded by path: a leaf module, so no part of the package is imported."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge" / "names.py"
+    spec = importlib.util.spec_from_file_location("_torch_xla_bridge_names", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+names = _names()
+UPSTREAM = names.UPSTREAM_BACKEND_NAME
+FUSED = names.BACKEND_NAME
+FUSED_STEP = names.STEP_BACKEND_NAME
+SYNC_COUNTER = names.SYNC_COUNTER
+STEP_COUNTER = names.STEP_COUNTER
 
 
 def device() -> torch.device:
@@ -24,15 +46,18 @@ def device() -> torch.device:
 
 
 def executions() -> int:
-    """XLA programs executed so far in this process (waits for pending async work first).
+    """XLA programs executed so far in this process, after pending ones finish.
 
-    Under SPMD every program is a replicated execution (``ExecuteReplicatedTime``).
+    The count of torch_xla_bridge.counting.executions(), over the same
+    names.EXECUTE_METRICS; not imported from there, which would load the
+    package (see the module's docstring).
     """
     xm.wait_device_ops()
-    return sum((met.metric_data(m) or (0,))[0] for m in ("ExecuteTime", "ExecuteReplicatedTime"))
+    return sum((met.metric_data(m) or (0,))[0] for m in names.EXECUTE_METRICS)
 
 
 def counter(name: str) -> int:
+    """A torch_xla counter's value (0 before its first bump), as torch_xla_bridge.counting.counter()."""
     return met.counter_value(name) or 0
 
 
@@ -54,6 +79,23 @@ def mlp(depth: int = 3, width: int = 32, d_in: int = 16, d_out: int = 4) -> nn.M
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, d_out))
     return nn.Sequential(*layers)
+
+
+class GraphBreakMLP(nn.Module):
+    """A three-layer MLP whose forward dynamo compiles as three graphs (two graph breaks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.a(x))
+        torch._dynamo.graph_break()
+        x = F.relu(self.b(x))
+        torch._dynamo.graph_break()
+        return self.c(x)
 
 
 class SmallCNN(nn.Module):
@@ -228,3 +270,38 @@ def train(
 
 def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+# --- eager CPU references and warnings -------------------------------------------
+
+
+def cpu_and_xla_copy(make: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """A model built on the CPU after seeding, and an identical copy of it on the XLA device."""
+    torch.manual_seed(seed)
+    cpu_model = make()
+    return cpu_model, copy.deepcopy(cpu_model).to(device())
+
+
+@contextlib.contextmanager
+def recorded_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Records every warning raised inside, repeats included (a warning once per step must show each time)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def messages_naming(caught: list[warnings.WarningMessage], backend: str) -> list[str]:
+    """The recorded warnings' messages that name ``backend`` (ours start with the backend's name)."""
+    return [str(w.message) for w in caught if backend in str(w.message)]
+
+
+def assert_grads_match(
+    model: nn.Module, cpu_model: nn.Module, scale: float = 1.0, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Asserts each parameter's ``.grad`` equals ``scale`` times the eager CPU reference's, in order.
+
+    ``scale``: how many backward passes ``model`` accumulated per one of ``cpu_model``.
+    """
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters(), strict=True):
+        got, want = p.grad.detach().cpu(), scale * q.grad.detach()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
