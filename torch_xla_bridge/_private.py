@@ -6,6 +6,11 @@ release, so each one is bound here (and nowhere else), and a missing one
 fails this module's import with an ImportError naming the version the
 package needs, instead of failing mid-training with an AttributeError.
 
+torch's extension points for compilers (``torch._decomp``'s decompositions in
+``decompositions.py``, ``torch._ops.OpOverload`` as the type of a graph's ops,
+``torch._dynamo.backends``) are used where they are, as torch's own backends
+use them; this module holds the rest.
+
 Imported when a graph is compiled, never by registration (``backend.py``
 imports it lazily): torch_xla reads its environment variables when first
 imported. torch_xla missing is no error here; ``backend.require_torch_xla``
