@@ -148,3 +148,41 @@ def test_example_script_matches_spmd_without_compile():
     assert runs[FUSED]["devices"] == 4
     assert runs[FUSED]["losses"] == pytest.approx(runs["eager"]["losses"], abs=ATOL)
     assert runs[FUSED]["grads_keep_sharding"]
+
+
+@pytest.mark.parametrize("user_value", [None, "7"])
+def test_sharding_check_scope_nests_across_threads_and_restores_the_users_value(monkeypatch, user_value):
+    """The scope that keeps upstream's input-sharding check from expiring: set while any call is
+    inside it (nested, or on another thread), the user's own value (or its absence) back after."""
+    import threading
+
+    from torch_xla_bridge import dynamo_bridge
+
+    env = dynamo_bridge._THRESHOLD_ENV
+    if user_value is None:
+        monkeypatch.delenv(env, raising=False)
+    else:
+        monkeypatch.setenv(env, user_value)
+    inside, leave = threading.Event(), threading.Event()
+    seen: list = []
+
+    def other_call() -> None:
+        with dynamo_bridge.sharding_check_never_expires():
+            inside.set()
+            leave.wait(10)
+            seen.append(os.environ.get(env))
+
+    thread = threading.Thread(target=other_call)
+    # This thread enters first and leaves first, while the other is still inside: a per-call
+    # save and restore would put the user's value back under the other call's feet.
+    with dynamo_bridge.sharding_check_never_expires():
+        thread.start()
+        assert inside.wait(10)
+        with dynamo_bridge.sharding_check_never_expires():
+            assert os.environ[env] == dynamo_bridge._NEVER
+        assert os.environ[env] == dynamo_bridge._NEVER
+    assert os.environ[env] == dynamo_bridge._NEVER
+    leave.set()
+    thread.join(10)
+    assert seen == [dynamo_bridge._NEVER]
+    assert os.environ.get(env) == user_value
