@@ -237,8 +237,9 @@ def markdown(report: dict) -> str:
             spread = f" ({r['host_p25_ms']:.2f}–{r['host_p75_ms']:.2f})" if "host_p25_ms" in r else ""
             lines.append(
                 f"| {m} | {r['executions_per_step']} | {r['host_ms']:.2f}{spread} | {_fmt(r.get('host_ratio'))} | "
-                f"{_fmt(r.get('device_ms'), '.2f')} | {_fmt(r.get('busy_ms'), '.2f')} | {_fmt(r.get('sync_ms'), '.2f')} "
-                f"| {_fmt(r.get('pipelined_ms'), '.2f')} | {_fmt(r.get('pipelined_ratio'))} |")
+                f"{_fmt(r.get('device_ms'), '.2f')} | {_fmt(r.get('busy_ms'), '.2f')} | "
+                f"{_fmt(r.get('sync_ms'), '.2f')} | {_fmt(r.get('pipelined_ms'), '.2f')} | "
+                f"{_fmt(r.get('pipelined_ratio'))} |")
         if w["workload"] == JAX_WORKLOAD and JAX_MODE in rows:
             lines += ["", f"`{JAX_MODE}` (jax {rows[JAX_MODE].get('jax')}, CPU): the same MLP step (cross-entropy, "
                       "SGD momentum, parameters and momentum donated), run in its own process after the torch "
