@@ -289,7 +289,12 @@ def plot(report: dict, out: Path) -> str | None:
 
 
 def profile(mode: str, workload: str, steps: int = 20, top: int = 25) -> None:
-    """Prints the top cProfile entries (tottime) of `steps` warmed-up steps of one mode."""
+    """Prints the top cProfile entries (tottime) of `steps` warmed-up steps of one mode.
+
+    cProfile sees the calling thread only: what runs inside `loss.backward()`
+    on autograd's XLA device thread (backward graphs, hooks, the fused
+    callbacks) shows as `run_backward`'s own time.
+    """
     trainer = Trainer(mode, workload)
     for _ in range(3):
         trainer.step()
