@@ -16,6 +16,8 @@ the modes (the order reversed every other round). In its turn a mode runs:
 - one pipelined block of `--block` steps with no wait between steps, timed
   drained-to-drained, per step.
 
+Each workload runs in its own process (see `run_workload`).
+
 Reported: medians (and quartiles of host time) per mode, ratios of medians to
 upstream `openxla` measured in the same run, and a JAX `jax.jit` reference of
 the MLP step run in a subprocess (`--jax-python`, or this interpreter when it
@@ -164,6 +166,24 @@ def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, 
     return dict(workload=workload, loop=LOOP, rows=rows)
 
 
+def run_workload(workload: str, modes: list[str], counts: dict[str, int]) -> dict:
+    """`measure_workload` in a fresh process: one row per mode, or an error row per mode.
+
+    A process per workload: XLA keeps every executable it compiled for the
+    process's life, and with all workloads' in one process PJRT CPU's JIT ran
+    out of memory mappings (vm.max_map_count) while compiling bank1000's.
+    """
+    cmd = [sys.executable, "-m", "bench.host_time", "--one", workload, "--modes", ",".join(modes)]
+    cmd += [f"--{k}={v}" for k, v in counts.items()]
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    error = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return dict(workload=workload, loop=LOOP, rows={m: dict(error=error) for m in modes})
+
+
 def add_ratios(rows: dict[str, dict]) -> None:
     """Ratios of medians to `openxla`'s in the same run (the JAX row's come from its own process)."""
     base = rows.get(BASELINE)
@@ -225,7 +245,7 @@ def markdown(report: dict) -> str:
     ]
     for w in report["workloads"]:
         rows = w["rows"]
-        tensors = next(iter(rows.values()))["tensors"]
+        tensors = next((r["tensors"] for r in rows.values() if "tensors" in r), "?")
         lines += ["", f"## {w['workload']} ({tensors} parameter tensors)", "",
                   "| mode | execs/step | host ms (p25–p75) | host ratio | device ms | busy ms | sync ms "
                   "| pipelined ms | pipelined ratio |",
@@ -320,6 +340,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--jax-python", default=os.environ.get("BENCH_JAX_PYTHON"),
                     help="an interpreter with jax for the JAX reference (default: $BENCH_JAX_PYTHON, else this one "
                          "if it has jax)")
+    ap.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)  # one workload's JSON (run_workload)
     ap.add_argument("--profile", metavar="MODE", help="instead: cProfile 20 steps of MODE on --workload")
     ap.add_argument("--workload", default="mlp32x256", help="the workload --profile runs")
     args = ap.parse_args(argv)
@@ -331,14 +352,19 @@ def main(argv: Iterable[str] | None = None) -> None:
         ap.error(f"unknown modes {unknown}; modes: {MODES}")
     counts = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
     workloads = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    if args.one:
+        print(json.dumps(measure_workload(args.one, modes, **counts)))
+        return
     out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, workloads=[])
     for w in workloads:
         t0 = time.perf_counter()
-        report["workloads"].append(measure_workload(w, modes, **counts))
+        report["workloads"].append(run_workload(w, modes, counts))
         print(f"{w}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        # Written as it goes: a later workload's crash keeps the earlier ones.
+        (out / "host_time.json").write_text(json.dumps(report, indent=1))
     python = jax_python(args.jax_python)
     jax_row = run_jax(python, counts) if python else dict(error="jax not available")
     if "error" in jax_row:
@@ -354,6 +380,10 @@ def main(argv: Iterable[str] | None = None) -> None:
     print((out / "host_time.md").read_text())
     print(f"wrote {out}/host_time.json, host_time.md{'' if report['plot_note'] else ', host_time.png'} "
           f"in {report['seconds']:.0f} s")
+    failed = [w["workload"] for w in report["workloads"] if any("error" in r for r in w["rows"].values())]
+    if failed:
+        print(f"FAILED workloads: {failed}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
