@@ -3,10 +3,12 @@
 Every configuration (workload x loop x mode) runs in its own process (see
 `bench/worker.py`); the figures land in `--out` as results.json, results.md,
 steps.png and scaling.png, with ratios to upstream `openxla` for the same
-workload and loop.
+workload and loop. Then `bench.host_time` (host and device time of a step,
+modes alternated in one process) runs with the same `--quick` and `--out`;
+`--no-host-time` leaves it out.
 
-    python -m bench            # the full run (about 21 minutes on 2 CPU cores)
-    python -m bench --quick    # about 3.5 minutes
+    python -m bench            # the full run (about 21 minutes on 2 CPU cores, plus 20 for bench.host_time)
+    python -m bench --quick    # about 3.5 minutes, plus 2 for bench.host_time --quick
 """
 
 from __future__ import annotations
@@ -237,10 +239,22 @@ def plot(results: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def run_host_time(quick: bool, out: Path) -> str | None:
+    """Runs `bench.host_time` in its own process (its modes share one); None, or why it failed."""
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    cmd = [sys.executable, "-m", "bench.host_time", "--out", str(out)] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    print((proc.stdout.strip().splitlines() or ["bench.host_time: no output"])[-1])
+    return None
+
+
 def main(argv: Iterable[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small workloads, fewer loops (under 5 minutes)")
     ap.add_argument("--out", type=Path, default=None, help="default: docs/benchmarks (quick: docs/benchmarks/quick)")
+    ap.add_argument("--no-host-time", action="store_true", help="skip bench.host_time")
     args = ap.parse_args(argv)
     out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
@@ -253,9 +267,12 @@ def main(argv: Iterable[str] | None = None) -> None:
     errors = [r for r in results if "error" in r]
     print(f"wrote {out}/results.json, results.md, steps.png, scaling.png; {len(results)} configurations, "
           f"{len(errors)} failed")
-    if errors:
+    host_time_error = None if args.no_host_time else run_host_time(args.quick, out)
+    if errors or host_time_error:
         for r in errors:
             print("FAILED", r["workload"], r["loop"], r["mode"], r["error"], file=sys.stderr)
+        if host_time_error:
+            print("FAILED bench.host_time:", host_time_error, file=sys.stderr)
         sys.exit(1)
 
 

@@ -1,0 +1,390 @@
+"""Host time and device time of one training step, per mode and workload, in one process.
+
+Per workload, one trainer per mode is built first (bench.worker's
+`build_step`, loop `zero_grads`: SGD with momentum, the optimizer step
+compiled where the mode compiles), each is warmed up, then rounds alternate
+the modes (the order reversed every other round). In its turn a mode runs:
+
+- `--steps` steps, each from an idle device (`xm.wait_device_ops()` before):
+  **host time** is the step's Python call, `perf_counter` from call to return
+  (the step includes its end: `torch_xla.sync()`, the fused step's cut), with
+  no wait inside; then, after `xm.wait_device_ops()`, **device time** is the
+  step's delta of torch_xla's execute metrics (`ExecuteTime` total, ns;
+  `ExecuteReplicatedTime` under SPMD) and **busy time** the union of those
+  executions' intervals; the executions per step come from
+  `counting.executions()`;
+- one pipelined block of `--block` steps with no wait between steps, timed
+  drained-to-drained, per step.
+
+Each workload runs in its own process (see `run_workload`).
+
+Reported: medians (and quartiles of host time) per mode, ratios of medians to
+upstream `openxla` measured in the same run, and a JAX `jax.jit` reference of
+the MLP step run in a subprocess (`--jax-python`, or this interpreter when it
+has jax). Writes host_time.json, host_time.md and host_time.png to `--out`.
+
+    PJRT_DEVICE=CPU python -m bench.host_time [--quick] [--out DIR] [--jax-python PATH]
+    PJRT_DEVICE=CPU python -m bench.host_time --profile openxla_fused_step --workload bank1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch._dynamo  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
+
+from bench.worker import MODES, build_step  # noqa: E402
+from torch_xla_bridge.counting import executions  # noqa: E402
+from torch_xla_bridge.names import EXECUTE_METRICS, UPSTREAM_BACKEND_NAME  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = UPSTREAM_BACKEND_NAME
+LOOP = "zero_grads"  # set_to_none=False, compiled optimizer (see bench/loops.py)
+JAX_MODE = "jax.jit"
+JAX_WORKLOAD = "mlp32x256"  # the workload bench/jax_step.py reproduces
+WORKLOADS = ("mlp32x256", "gpt2-2L", "bank10", "bank100", "bank1000")
+# Quick leaves out bank1000 as `python -m bench --quick` does: on 2 CPU cores its first
+# steps compile for about 10 minutes across the five modes (dynamo and XLA alike).
+QUICK_WORKLOADS = ("mlp32x256", "bank10", "bank100")
+FULL = dict(warmup=3, rounds=10, steps=5, block=5)
+QUICK = dict(warmup=3, rounds=4, steps=3, block=3)
+
+
+def _execute_metrics() -> tuple[int, float, list[tuple[float, float]]]:
+    """Executions so far, their total ExecuteTime (ns) and the recent (end s, duration ns) samples."""
+    count, total, samples = 0, 0.0, []
+    for name in EXECUTE_METRICS:
+        data = met.metric_data(name)
+        if data:
+            count, total, samples = count + data[0], total + data[1], samples + list(data[2])
+    return count, total, samples
+
+
+def _busy_seconds(samples: list[tuple[float, float]]) -> float:
+    """Length of the union of execution intervals [end - duration, end].
+
+    An execution's ExecuteTime runs from its dispatch to its outputs being
+    ready, so executions queued behind one another overlap: their sum counts
+    the queueing twice, the union does not.
+    """
+    spans = sorted((end - ns / 1e9, end) for end, ns in samples)
+    busy, cur_start, cur_end = 0.0, None, None
+    for s, e in spans:
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    return busy + (cur_end - cur_start if cur_end is not None else 0.0)
+
+
+class Trainer:
+    """One mode's training step on a workload of bench/models.py, with its measurements."""
+
+    def __init__(self, mode: str, workload: str) -> None:
+        self.step, model = build_step(dict(workload=workload, mode=mode, loop=LOOP))
+        self.tensors = len(list(model.parameters()))
+        self.host: list[float] = []
+        self.sync: list[float] = []
+        self.device: list[float] = []
+        self.busy: list[float] = []
+        self.execs: list[int] = []
+        self.pipelined: list[float] = []
+
+    def timed_step(self) -> None:
+        """One step from an idle device: host time, then (drained) device time and executions."""
+        xm.wait_device_ops()
+        e0 = executions(wait=False)  # waited for just above
+        n0, d0, _ = _execute_metrics()
+        t0 = time.perf_counter()
+        self.step()
+        t1 = time.perf_counter()
+        xm.wait_device_ops()
+        t2 = time.perf_counter()
+        n1, d1, samples = _execute_metrics()
+        self.host.append(t1 - t0)
+        self.sync.append(t2 - t0)
+        self.device.append((d1 - d0) / 1e9)
+        self.execs.append(executions(wait=False) - e0)
+        # Samples are a bounded window of the latest; the step's are its last n1 - n0.
+        if 0 < n1 - n0 <= len(samples):
+            self.busy.append(_busy_seconds(sorted(samples)[-(n1 - n0):]))
+
+    def pipelined_block(self, steps: int) -> None:
+        """`steps` steps without waiting between them, drained to drained; per step."""
+        xm.wait_device_ops()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        xm.wait_device_ops()
+        self.pipelined.append((time.perf_counter() - t0) / steps)
+
+    def summary(self) -> dict[str, Any]:
+        q = statistics.quantiles(self.host, n=4) if len(self.host) > 1 else [self.host[0]] * 3
+        ms = lambda xs: round(1e3 * statistics.median(xs), 3) if xs else None  # noqa: E731
+        return dict(
+            tensors=self.tensors, executions_per_step=statistics.mode(self.execs), steps=len(self.host),
+            host_ms=ms(self.host), host_p25_ms=round(1e3 * q[0], 3), host_p75_ms=round(1e3 * q[2], 3),
+            device_ms=ms(self.device), busy_ms=ms(self.busy), sync_ms=ms(self.sync),
+            pipelined_ms=ms(self.pipelined),
+        )
+
+
+def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int) -> dict:
+    """All modes of one workload built side by side, then their turns alternated round by round."""
+    # Fresh dynamo per workload: every trainer compiles the same `loss_of` and `SGD.step`
+    # code objects, and all workloads' together would pass dynamo's recompile limit.
+    torch._dynamo.reset()
+    trainers = {m: Trainer(m, workload) for m in modes}
+    for t in trainers.values():
+        for _ in range(warmup):
+            t.step()
+        xm.wait_device_ops()
+    for i in range(rounds):
+        for m in modes if i % 2 == 0 else modes[::-1]:
+            for _ in range(steps):
+                trainers[m].timed_step()
+            trainers[m].pipelined_block(block)
+    rows = {m: t.summary() for m, t in trainers.items()}
+    add_ratios(rows)
+    return dict(workload=workload, loop=LOOP, rows=rows)
+
+
+def run_workload(workload: str, modes: list[str], counts: dict[str, int]) -> dict:
+    """`measure_workload` in a fresh process: one row per mode, or an error row per mode.
+
+    A process per workload: XLA keeps every executable it compiled for the
+    process's life, and with all workloads' in one process PJRT CPU's JIT ran
+    out of memory mappings (vm.max_map_count) while compiling bank1000's.
+    """
+    cmd = [sys.executable, "-m", "bench.host_time", "--one", workload, "--modes", ",".join(modes)]
+    cmd += [f"--{k}={v}" for k, v in counts.items()]
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    error = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return dict(workload=workload, loop=LOOP, rows={m: dict(error=error) for m in modes})
+
+
+def add_ratios(rows: dict[str, dict]) -> None:
+    """Ratios of medians to `openxla`'s in the same run (the JAX row's come from its own process)."""
+    base = rows.get(BASELINE)
+    if base is None:
+        return
+    for r in rows.values():
+        for field in ("host_ms", "device_ms", "pipelined_ms"):
+            if r.get(field) is not None and base.get(field):
+                r[field.replace("_ms", "_ratio")] = round(r[field] / base[field], 3)
+
+
+def jax_python(arg: str | None) -> str | None:
+    """The interpreter to run bench/jax_step.py in: `--jax-python`, else this one if it has jax."""
+    if arg:
+        return arg
+    return sys.executable if importlib.util.find_spec("jax") is not None else None
+
+
+def run_jax(python: str, counts: dict[str, int]) -> dict:
+    """The JAX reference step's figures, or an "error" entry saying why there are none."""
+    cfg = dict(depth=32, width=256, batch=64, **counts)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    try:
+        proc = subprocess.run([python, str(ROOT / "bench" / "jax_step.py"), json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=600, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return dict(error=f"{python}: {e}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return dict(error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1])
+
+
+def machine() -> dict[str, Any]:
+    from bench.__main__ import machine as bench_machine
+
+    return bench_machine()
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    info = report["machine"]
+    c = report["counts"]
+    lines = [
+        f"# Host time and device time{' (quick)' if report['quick'] else ''}",
+        "",
+        f"Machine: {info['cpu']}, {info['cores']} cores; PJRT_DEVICE={info['pjrt_device']}; "
+        f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{LOOP}` (SGD with momentum, "
+        f"optimizer step compiled where the mode compiles). {c['rounds']} rounds, modes alternated; per round "
+        f"and mode {c['steps']} steps from an idle device and one pipelined block of {c['block']} steps.",
+        "",
+        "host: the step's Python call from an idle device until it returns (median, p25–p75); "
+        "device: sum of the step's `ExecuteTime` (dispatch to outputs ready, so executions queued behind "
+        "one another count their wait too); busy: union of those intervals; sync: host + drain; "
+        "pipelined: per step in blocks without waits, drained to drained. Ratios are to `openxla`, same run.",
+    ]
+    for w in report["workloads"]:
+        rows = w["rows"]
+        tensors = next((r["tensors"] for r in rows.values() if "tensors" in r), "?")
+        lines += ["", f"## {w['workload']} ({tensors} parameter tensors)", "",
+                  "| mode | execs/step | host ms (p25–p75) | host ratio | device ms | busy ms | sync ms "
+                  "| pipelined ms | pipelined ratio |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for m, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {m} | {r['error'][:100]} |" + " |" * 7)
+                continue
+            spread = f" ({r['host_p25_ms']:.2f}–{r['host_p75_ms']:.2f})" if "host_p25_ms" in r else ""
+            lines.append(
+                f"| {m} | {r['executions_per_step']} | {r['host_ms']:.2f}{spread} | {_fmt(r.get('host_ratio'))} | "
+                f"{_fmt(r.get('device_ms'), '.2f')} | {_fmt(r.get('busy_ms'), '.2f')} | "
+                f"{_fmt(r.get('sync_ms'), '.2f')} | {_fmt(r.get('pipelined_ms'), '.2f')} | "
+                f"{_fmt(r.get('pipelined_ratio'))} |")
+        if w["workload"] == JAX_WORKLOAD and JAX_MODE in rows:
+            lines += ["", f"`{JAX_MODE}` (jax {rows[JAX_MODE].get('jax')}, CPU): the same MLP step (cross-entropy, "
+                      "SGD momentum, parameters and momentum donated), run in its own process after the torch "
+                      "modes; device and busy time are not measured (no metric); its ratios compare across "
+                      "processes."]
+    if report.get("jax_note"):
+        lines += ["", f"JAX reference (`{JAX_MODE}` on {JAX_WORKLOAD}): {report['jax_note']}."]
+    if report.get("plot_note"):
+        lines += ["", f"Plot: {report['plot_note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out: Path) -> str | None:
+    """host_time.png: host ms per step against parameter tensors, one line per mode (banks), the MLP apart."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not importable (the [bench] extra); no plot"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    modes = list(dict.fromkeys(m for w in report["workloads"] for m in w["rows"]))
+    for i, m in enumerate(modes):
+        color = colors[i % len(colors)]
+        # Banks: one line per mode. The MLP (big matmuls, not just many tensors): an open marker.
+        bank = sorted((w["rows"][m]["tensors"], w["rows"][m]["host_ms"]) for w in report["workloads"]
+                      if w["workload"].startswith("bank") and w["rows"].get(m, {}).get("host_ms") is not None)
+        if bank:
+            ax.plot([p[0] for p in bank], [p[1] for p in bank], marker="o", color=color, label=m)
+        for w in report["workloads"]:
+            r = w["rows"].get(m, {})
+            if w["workload"] == JAX_WORKLOAD and r.get("host_ms") is not None:
+                ax.plot([r["tensors"]], [r["host_ms"]], marker="s", markerfacecolor="none", color=color,
+                        linestyle="none", label=None if bank else m)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"parameter tensors (lines: parameter banks; open squares: {JAX_WORKLOAD})")
+    ax.set_ylabel("host ms per step (device idle at start)")
+    ax.set_title("Host time of a training step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "host_time.png", dpi=120)
+    plt.close(fig)
+    return None
+
+
+def profile(mode: str, workload: str, steps: int = 20, top: int = 25) -> None:
+    """Prints the top cProfile entries (tottime) of `steps` warmed-up steps of one mode.
+
+    cProfile sees the calling thread only: what runs inside `loss.backward()`
+    on autograd's XLA device thread (backward graphs, hooks, the fused
+    callbacks) shows as `run_backward`'s own time.
+    """
+    trainer = Trainer(mode, workload)
+    for _ in range(3):
+        trainer.step()
+    xm.wait_device_ops()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        trainer.step()
+    prof.disable()
+    xm.wait_device_ops()
+    print(f"{mode} on {workload}, {steps} steps (loop {LOOP}), top {top} by tottime:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"workloads {QUICK_WORKLOADS}, fewer rounds")
+    ap.add_argument("--out", type=Path, default=None, help="default: docs/benchmarks (quick: docs/benchmarks/quick)")
+    ap.add_argument("--workloads", help="comma-separated workloads of bench/models.py (overrides the plan)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    for k in FULL:
+        ap.add_argument(f"--{k}", type=int, help=f"default {FULL[k]} (quick: {QUICK[k]})")
+    ap.add_argument("--jax-python", default=os.environ.get("BENCH_JAX_PYTHON"),
+                    help="an interpreter with jax for the JAX reference (default: $BENCH_JAX_PYTHON, else this one "
+                         "if it has jax)")
+    ap.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)  # one workload's JSON (run_workload)
+    ap.add_argument("--profile", metavar="MODE", help="instead: cProfile 20 steps of MODE on --workload")
+    ap.add_argument("--workload", default="mlp32x256", help="the workload --profile runs")
+    args = ap.parse_args(argv)
+    if args.profile:
+        profile(args.profile, args.workload)
+        return
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"unknown modes {unknown}; modes: {MODES}")
+    counts = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
+    workloads = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    if args.one:
+        print(json.dumps(measure_workload(args.one, modes, **counts)))
+        return
+    out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, workloads=[])
+    for w in workloads:
+        t0 = time.perf_counter()
+        report["workloads"].append(run_workload(w, modes, counts))
+        print(f"{w}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        # Written as it goes: a later workload's crash keeps the earlier ones.
+        (out / "host_time.json").write_text(json.dumps(report, indent=1))
+    python = jax_python(args.jax_python)
+    jax_row = run_jax(python, counts) if python else dict(error="jax not available")
+    if "error" in jax_row:
+        report["jax_note"] = jax_row["error"]
+    for w in report["workloads"]:
+        if w["workload"] == JAX_WORKLOAD and "error" not in jax_row:
+            w["rows"][JAX_MODE] = jax_row
+            add_ratios(w["rows"])
+    report["plot_note"] = plot(report, out)
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "host_time.json").write_text(json.dumps(report, indent=1))
+    (out / "host_time.md").write_text(markdown(report))
+    print((out / "host_time.md").read_text())
+    print(f"wrote {out}/host_time.json, host_time.md{'' if report['plot_note'] else ', host_time.png'} "
+          f"in {report['seconds']:.0f} s")
+    failed = [w["workload"] for w in report["workloads"] if any("error" in r for r in w["rows"].values())]
+    if failed:
+        print(f"FAILED workloads: {failed}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
