@@ -489,9 +489,9 @@ class _ModuleWriter:
             self.imports.add(None, base, None)
         return f"{base}.{path}"
 
-    def rewrite(self, src: _Source, node: ast.AST, module: Optional[str], own: Optional[tuple[str, str]] = None) -> str:
-        """``node``'s source, with uses of inlined modules resolved; for a definition copied
-        from ``module``, with its uses of that module's own names resolved too."""
+    def rewrite(self, src: _Source, node: ast.AST, module: str, own: tuple[str, str]) -> str:
+        """The source of ``node``, a definition of ``module`` copied in as ``own[1]``, with its
+        uses of inlined modules and of ``module``'s own names resolved."""
         local = _locals(node) if isinstance(node, ast.FunctionDef) else set()
         spans: list[_Span] = []
 
@@ -499,8 +499,8 @@ class _ModuleWriter:
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in INLINED_MODULES:
                 spans.append((*src.offsets(n), self.resolve(n.value.id, n.attr)))
                 return
-            if module is not None and isinstance(n, ast.Name) and n.id not in local:
-                if own is not None and n.id == own[0]:
+            if isinstance(n, ast.Name) and n.id not in local:
+                if n.id == own[0]:
                     spans.append((*src.offsets(n), own[1]))
                 elif n.id in src.defs or n.id in src.imports or n.id in src.names_imported:
                     resolved = self.resolve(module, n.id)
@@ -510,10 +510,9 @@ class _ModuleWriter:
             for child in ast.iter_child_nodes(n):
                 visit(child)
 
-        if own is not None and isinstance(node, ast.FunctionDef):
+        if isinstance(node, ast.FunctionDef):
             # The def's own name is not a node: rename it in the header.
-            text = self._renamed_def(src, node, own, visit, spans)
-            return text
+            return self._renamed_def(src, node, own, visit, spans)
         visit(node)
         return src.segment(node, spans)
 
