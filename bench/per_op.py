@@ -24,7 +24,12 @@ per parameter of ``openxla`` and ``openxla_fused_step`` on the parameter bank
 momentum, alternated in one process), and the floor: the sum of the loop's
 per-parameter ops, as a fraction of ``openxla``'s host time per parameter.
 
-    PJRT_DEVICE=CPU python -m bench.per_op [--tensors 1000] [--workload bank100] [--out DIR]
+Last, what the fused step's cut costs per tensor as the step grows: for each
+of ``--sizes``, the host time per tensor of embedding one computation with
+that many inputs and outputs (as the fused step embeds its graphs) and of
+the ``torch_xla.sync()`` that materializes its outputs.
+
+    PJRT_DEVICE=CPU python -m bench.per_op [--tensors 1000] [--workload bank100] [--sizes 100,1000,3000] [--out DIR]
 """
 
 from __future__ import annotations
@@ -98,6 +103,46 @@ def op_costs(n: int, reps: int) -> dict[str, float]:
     return costs
 
 
+def embedded_materializing(sizes: Iterable[int], reps: int) -> dict[str, dict[str, float]]:
+    """Per size n: host microseconds per tensor of embedding an n-input, n-output computation, and of syncing its outputs.
+
+    The computation is ``x * 0.5 + 1`` per input, lowered once and embedded
+    per call as the fused step embeds its graphs; each call's outputs are the
+    next call's inputs, as an optimizer step's are.
+    """
+    from torch_xla_bridge import _private
+
+    found: dict[str, dict[str, float]] = {}
+    for n in sizes:
+        with torch.no_grad():
+            holders = [_private.create_placeholder_tensor((16,), torch.float32) for _ in range(n)]
+            ctx = _private.LoweringContext("PerOpScaling")
+            # Traced on clones: the lowering maps each placeholder to its parameter by its untouched handle.
+            ctx.build([h.clone() * 0.5 + 1 for h in holders])
+            computation = _private.computation_from_module_proto("xla::per_op_scaling", ctx.hlo())
+            order = {ctx.tensor_parameter_id(h): i for i, h in enumerate(holders)}
+            constants = {pid: t for pid, t in ctx.device_parameter_id_tensor_mapping().items() if pid not in order}
+            # Placeholders hold no data: none may be alive at the syncs below.
+            del holders, ctx
+        values = [torch.full((16,), float(i), device=torch_xla.device()) for i in range(n)]
+        torch_xla.sync()
+        embed, sync = [], []
+        for r in range(reps + 1):
+            xm.wait_device_ops()
+            t0 = time.perf_counter()
+            inputs = [values[order[k]] if k in order else constants[k] for k in range(len(order) + len(constants))]
+            values = list(_private.user_computation("xla::per_op_scaling", inputs, computation))
+            t1 = time.perf_counter()
+            torch_xla.sync()
+            t2 = time.perf_counter()
+            if r:  # the first call compiles
+                embed.append(t1 - t0)
+                sync.append(t2 - t1)
+        xm.wait_device_ops()
+        found[str(n)] = {"embed": 1e6 * min(embed) / n, "sync": 1e6 * min(sync) / n}
+    return found
+
+
 def step_host_per_parameter(workload: str, rounds: int) -> dict[str, float]:
     """Median host microseconds per parameter tensor of one step, per mode, alternated in this process."""
     from bench.host_time import Trainer
@@ -118,15 +163,16 @@ def step_host_per_parameter(workload: str, rounds: int) -> dict[str, float]:
     return {m: 1e6 * statistics.median(s) / trainers[m].tensors for m, s in spent.items()}
 
 
-def measure(tensors: int, reps: int, workload: str, rounds: int) -> dict[str, Any]:
+def measure(tensors: int, reps: int, workload: str, rounds: int, sizes: list[int]) -> dict[str, Any]:
     """This process's figures (functionalization as its environment says)."""
     costs = op_costs(tensors, reps)
+    scaling = embedded_materializing(sizes, reps)
     step = step_host_per_parameter(workload, rounds)
     floor = sum(FLOOR[op] * us for op, us in costs.items())
     return dict(
         functionalization=os.environ.get(FUNCTIONALIZATION_ENV, "0") not in ("1", "true", "True"),
         op_us=costs, floor_us=floor, step_us=step, floor_ratio=floor / step["openxla"],
-        fused_step_ratio=step["openxla_fused_step"] / step["openxla"],
+        fused_step_ratio=step["openxla_fused_step"] / step["openxla"], embedded_us=scaling,
     )
 
 
@@ -149,6 +195,17 @@ def markdown(report: dict) -> str:
     lines.append(f"| floor / `openxla` step | | {on['floor_ratio']:.2f} | {off['floor_ratio']:.2f} |")
     lines.append(f"| `openxla_fused_step` / `openxla` step | | {on['fused_step_ratio']:.2f} | "
                  f"{off['fused_step_ratio']:.2f} |")
+    lines += [
+        "",
+        "Embedding one computation of n inputs and n outputs, and syncing its outputs "
+        "(host microseconds per tensor, functionalization on / off):",
+        "",
+        "| n | embed | sync |",
+        "|---|---|---|",
+    ]
+    for n in on["embedded_us"]:
+        a, b = on["embedded_us"][n], off["embedded_us"][n]
+        lines.append(f"| {n} | {a['embed']:.2f} / {b['embed']:.2f} | {a['sync']:.2f} / {b['sync']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -158,18 +215,20 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workload", default="bank100")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--sizes", default="100,1000,3000", help="comma-separated sizes of the embedded computation")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # this process's JSON
     args = ap.parse_args(argv)
-    counts = [str(args.tensors), str(args.reps), args.workload, str(args.rounds)]
+    counts = [str(args.tensors), str(args.reps), args.workload, str(args.rounds), args.sizes]
     if args.one:
-        print(json.dumps(measure(args.tensors, args.reps, args.workload, args.rounds)))
+        sizes = [int(n) for n in args.sizes.split(",")]
+        print(json.dumps(measure(args.tensors, args.reps, args.workload, args.rounds, sizes)))
         return
     runs = []
     for off in ("0", "1"):
         env = dict(os.environ, **{FUNCTIONALIZATION_ENV: off})
         cmd = [sys.executable, "-m", "bench.per_op", "--one", "--tensors", counts[0], "--reps", counts[1],
-               "--workload", counts[2], "--rounds", counts[3]]
+               "--workload", counts[2], "--rounds", counts[3], "--sizes", counts[4]]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"bench.per_op ({FUNCTIONALIZATION_ENV}={off}) failed:\n{proc.stderr[-3000:]}")

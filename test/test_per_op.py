@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_per_op_report(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, PJRT_DEVICE="CPU")
     env.pop("XLA_DISABLE_FUNCTIONALIZATION", None)
-    args = ["--tensors", "50", "--reps", "2", "--workload", "bank10", "--rounds", "2", "--out", str(tmp_path)]
+    args = ["--tensors", "50", "--reps", "2", "--workload", "bank10", "--rounds", "2", "--sizes", "20,50",
+            "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "bench.per_op", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -33,5 +34,8 @@ def test_per_op_report(tmp_path: pathlib.Path) -> None:
         assert run["floor_us"] == pytest.approx(sum(FLOOR[op] * us for op, us in run["op_us"].items()))
         assert set(run["step_us"]) == set(MODES) and all(us > 0 for us in run["step_us"].values())
         assert run["floor_ratio"] == pytest.approx(run["floor_us"] / run["step_us"]["openxla"])
+        assert list(run["embedded_us"]) == ["20", "50"]
+        assert all(v["embed"] > 0 and v["sync"] > 0 for v in run["embedded_us"].values()), run["embedded_us"]
     md = (tmp_path / "per_op.md").read_text()
     assert all(f"| {op} |" in md for op in FLOOR) and "floor / `openxla` step" in md
+    assert "| 20 |" in md and "| 50 |" in md
