@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -67,39 +66,33 @@ def op_costs(n: int, reps: int) -> dict[str, float]:
     new = [torch.full((16,), 2.0 * i, device=dev) for i in range(n)]
     torch_xla.sync()
 
-    def best(op: Callable[[], Any]) -> float:
+    def best(timed: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
+        """Microseconds per tensor of ``timed()`` (best of ``reps``), each after ``before()``
+        (untimed) and with the device idle; what they leave pending is synced after."""
         spent = []
         for _ in range(reps):
-            xm.wait_device_ops()
             with torch.no_grad():
+                before()
+                xm.wait_device_ops()
                 t0 = time.perf_counter()
-                op()
+                timed()
                 spent.append(time.perf_counter() - t0)
             torch_xla.sync()
         xm.wait_device_ops()
         return 1e6 * min(spent) / n
 
-    def accumulate_then_sync() -> float:
-        spent = []
-        for _ in range(reps):
-            with torch.no_grad():
-                for p, g in zip(params, new):
-                    p.grad.add_(g)
-            xm.wait_device_ops()
-            t0 = time.perf_counter()
-            torch_xla.sync()
-            spent.append(time.perf_counter() - t0)
-        xm.wait_device_ops()
-        return 1e6 * min(spent) / n
+    def accumulate() -> None:
+        for p, g in zip(params, new):
+            p.grad.add_(g)
 
     costs = {
         "zero_": best(lambda: [p.grad.zero_() for p in params]),
-        "accumulate": best(lambda: [p.grad.add_(g) for p, g in zip(params, new)]),
+        "accumulate": best(accumulate),
         "param write-back": best(lambda: [p.detach().copy_(g) for p, g in zip(params, new)]),
         "state write-back": best(lambda: [s.copy_(g) for s, g in zip(state, new)]),
     }
-    accumulate_then_sync()  # compiles the sync's graph once, untimed
-    costs["sync per pending tensor"] = accumulate_then_sync()
+    best(torch_xla.sync, before=accumulate)  # compiles the sync's graph once, untimed
+    costs["sync per pending tensor"] = best(torch_xla.sync, before=accumulate)
     return costs
 
 
@@ -144,23 +137,12 @@ def embedded_materializing(sizes: Iterable[int], reps: int) -> dict[str, dict[st
 
 
 def step_host_per_parameter(workload: str, rounds: int) -> dict[str, float]:
-    """Median host microseconds per parameter tensor of one step, per mode, alternated in this process."""
-    from bench.host_time import Trainer
+    """Median host microseconds per parameter tensor of one step (device idle at its start), per mode,
+    the modes alternated in this process (bench.host_time's measurement, 3 steps per turn)."""
+    from bench.host_time import measure_workload
 
-    trainers = {m: Trainer(m, workload) for m in MODES}
-    for t in trainers.values():
-        for _ in range(3):
-            t.step()
-    spent: dict[str, list[float]] = {m: [] for m in MODES}
-    for r in range(rounds):
-        for m in MODES if r % 2 == 0 else MODES[::-1]:
-            for _ in range(3):
-                xm.wait_device_ops()
-                t0 = time.perf_counter()
-                trainers[m].step()
-                spent[m].append(time.perf_counter() - t0)
-    xm.wait_device_ops()
-    return {m: 1e6 * statistics.median(s) / trainers[m].tensors for m, s in spent.items()}
+    rows = measure_workload(workload, list(MODES), warmup=3, rounds=rounds, steps=3, block=1)["rows"]
+    return {m: 1e3 * r["host_ms"] / r["tensors"] for m, r in rows.items()}
 
 
 def measure(tensors: int, reps: int, workload: str, rounds: int, sizes: list[int]) -> dict[str, Any]:
@@ -219,17 +201,17 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # this process's JSON
     args = ap.parse_args(argv)
-    counts = [str(args.tensors), str(args.reps), args.workload, str(args.rounds), args.sizes]
+    sizes = [int(n) for n in args.sizes.split(",")]
     if args.one:
-        sizes = [int(n) for n in args.sizes.split(",")]
         print(json.dumps(measure(args.tensors, args.reps, args.workload, args.rounds, sizes)))
         return
+    passed = ["--tensors", str(args.tensors), "--reps", str(args.reps), "--workload", args.workload,
+              "--rounds", str(args.rounds), "--sizes", args.sizes]
     runs = []
     for off in ("0", "1"):
         env = dict(os.environ, **{FUNCTIONALIZATION_ENV: off})
-        cmd = [sys.executable, "-m", "bench.per_op", "--one", "--tensors", counts[0], "--reps", counts[1],
-               "--workload", counts[2], "--rounds", counts[3], "--sizes", counts[4]]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "bench.per_op", "--one", *passed], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"bench.per_op ({FUNCTIONALIZATION_ENV}={off}) failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
