@@ -49,7 +49,13 @@ def _flat(values: Any) -> list[float]:
 
 
 def assert_matches_eager_cpu(name: str, rec: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    ref = eager_cpu(name)
+    assert_matches_eager_cpu_record(rec, eager_cpu(name), rtol, atol)
+
+
+def assert_matches_eager_cpu_record(
+    rec: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """The values a loop read and its parameters after training equal those of its eager CPU run ``ref``."""
     torch.testing.assert_close(
         torch.tensor(_flat(rec["values"])), torch.tensor(_flat(ref["values"])), rtol=rtol, atol=atol,
         msg=lambda m: f"values: {m}",

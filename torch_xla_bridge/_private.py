@@ -74,6 +74,20 @@ def aot_fw_metadata() -> Any:
     return getattr(_TracingContext.try_get(), "fw_metadata", None)
 
 
+_guard_failures: dict = _torch("_dynamo.utils.guard_failures")
+_InstructionTranslator = _torch("_dynamo.symbolic_convert.InstructionTranslator")
+
+
+def last_guard_failure() -> Optional[str]:
+    """While dynamo compiles a frame: why its previous compilation's guards failed, if this is a recompile."""
+    try:
+        code = _InstructionTranslator.current_tx().f_code
+    except AttributeError:  # not inside dynamo's tracing of a frame
+        return None
+    reasons = _guard_failures.get(code)
+    return reasons[-1] if reasons else None
+
+
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
     yield code
     for const in code.co_consts:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -73,7 +74,7 @@ def openxla_fused_grad(
     upstream = _upstream_or_none(BACKEND_NAME, gm, example_inputs, **kwargs)
     if upstream is not None:
         return upstream
-    from . import deferred, dynamo_bridge, grad_sync
+    from . import deferred, dynamo_bridge, grad_sync, host_scalars
 
     def bw_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[[list], Any]:
         return deferred.DeferredGraph(
@@ -82,8 +83,20 @@ def openxla_fused_grad(
             upstream_reason=deferred.backward_reason, unfused_effect=deferred.UNFUSED_BACKWARD,
         )
 
+    def inference_compiler(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[[list], Any]:
+        # A no-backward graph with host scalars (a compiled optimizer's CPU step counts, a
+        # tensor lr) runs as one execution of its own; upstream's bridge would split it
+        # around the CPU ops into several. Any other runs as upstream runs it.
+        if not any(map(host_scalars.is_host_scalar, inputs)):
+            return dynamo_bridge.compile_upstream(gm, inputs)
+        return deferred.DeferredGraph(
+            gm, inputs, backend=BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
+            kind="no-backward", on_pending=grad_sync.sync_fresh,
+        )
+
     return aot_autograd(
-        fw_compiler=dynamo_bridge.compile_upstream, bw_compiler=bw_compiler, decompositions=decompositions.table
+        fw_compiler=dynamo_bridge.compile_upstream, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+        decompositions=decompositions.table,
     )(gm, example_inputs, **kwargs)
 
 
@@ -133,6 +146,8 @@ def _upstream_or_none(
     require_torch_xla(backend)
     from . import dynamo_bridge
 
+    _warn_if_recompiled_for_a_float(backend)
+
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs, backend)
     if not (_compiled_autograd_graph(backend) or not dynamo_bridge.on_xla(example_inputs)):
         return None
@@ -165,4 +180,38 @@ def _warn_compiled_autograd_once(backend: str) -> None:
         f"backward: gradients are correct, but the backward runs unfused, as with upstream openxla "
         f"(its pending inputs are synced in an execution of their own). Disable compiled autograd "
         f"for this backend to fuse it."
+    )
+
+
+# A guard on a float in an optimizer's param_groups, as dynamo writes it:
+# "self.param_groups[0]['lr'] == 0.0004" (or ['betas'][0] == 0.95).
+_FLOAT_HYPERPARAMETER_GUARD = re.compile(r"param_groups\[\d+\]\['(\w+)'\](?:\[\d+\])? == -?[\d.e+-]+")
+
+
+def _warn_if_recompiled_for_a_float(backend: str) -> None:
+    """Says once per hyperparameter when dynamo compiles an optimizer step again because a float of it changed.
+
+    torch_xla sets ``torch._dynamo.config.specialize_float = True`` (and turns
+    automatic dynamic shapes off), so every new value of a float that a
+    compiled ``opt.step`` reads (a scheduler's ``lr``, OneCycleLR's ``betas``)
+    is a new dynamo compilation, with any backend, until dynamo's recompile
+    limit; then it runs the step uncompiled. A 0-dim tensor is data instead.
+    """
+    from . import _private
+
+    reason = _private.last_guard_failure()
+    match = reason and _FLOAT_HYPERPARAMETER_GUARD.search(reason)
+    if match:
+        _warn_float_hyperparameter_once(backend, match.group(1), match.group(0))
+
+
+@functools.cache
+def _warn_float_hyperparameter_once(backend: str, name: str, guard: str) -> None:
+    warnings.warn(
+        f"{backend}: dynamo compiles the optimizer step again because its float {name!r} changed "
+        f"(guard failed: {guard}). torch_xla sets torch._dynamo.config.specialize_float=True, so every new "
+        f"value is a new compilation, with any backend, up to torch._dynamo.config.recompile_limit; then the "
+        f"step runs uncompiled. Pass it as a tensor, which schedulers update in place: e.g. "
+        f"`torch.optim.AdamW(params, lr=torch.tensor(1e-3))`; OneCycleLR also cycles Adam's betas "
+        f"(`cycle_momentum=False` keeps them fixed)."
     )

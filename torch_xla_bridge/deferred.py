@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting
+from . import _private, counting, host_scalars
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,11 @@ def backward_reason() -> Optional[str]:
 def off_device_reason(example_inputs: Sequence[Any]) -> Optional[str]:
     """Why a graph with inputs off the XLA device cannot be deferred, if it has any.
 
-    0-dim CPU tensors act as scalars (optimizer step counts) and are lowered as such.
+    0-dim CPU tensors (optimizer step counts, a tensor ``lr``) are host
+    scalars, read as device data (:mod:`torch_xla_bridge.host_scalars`).
     """
     for t in example_inputs:
-        if isinstance(t, torch.Tensor) and t.device.type != "xla" and not (t.device.type == "cpu" and t.dim() == 0):
+        if isinstance(t, torch.Tensor) and t.device.type != "xla" and not host_scalars.is_host_scalar(t):
             return (
                 f"an input (shape {tuple(t.shape)}) is on {t.device}, not on an XLA device; move inputs "
                 f"with `x.to(torch_xla.device())` to fuse it"
@@ -119,8 +120,16 @@ class DeferredGraph:
         # probe runs once per signature, not once per call).
         self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
-        self._static_reason = off_device_reason(example_inputs) or _unfusable_graph_reason(gm)
-        self._random = _draws_random_numbers(gm)
+        # A graph with CPU outputs (a compiled optimizer's step counts): those come from the host.
+        split = host_scalars.split(gm)
+        self._split = split if isinstance(split, host_scalars.HostSplit) else None
+        # What is lowered: the graph without its host outputs.
+        self._device_gm = self._split.device_gm if self._split else gm
+        self._static_reason = (
+            off_device_reason(example_inputs) or (split if isinstance(split, str) else None)
+            or _unfusable_graph_reason(self._device_gm)
+        )
+        self._random = _draws_random_numbers(self._device_gm)
         self._warned = False
         # AOTAutograd's calling convention: one list argument that we may clear.
         # An instance attribute, so that dynamo's `disable` wrapper copies it.
@@ -137,12 +146,13 @@ class DeferredGraph:
             if isinstance(lowered, str):
                 reason = lowered
             else:
+                host = self._split.host_values(args) if self._split else None
                 outs, pending = lowered(args)
                 if new and self.validate:
                     self._validate(key, pending, args)
                 args.clear()
                 self.on_pending(pending)
-                return outs
+                return self._split.merge(outs, host) if self._split else outs
         return self._run_upstream(args, reason)
 
     def _validate(self, key: _Signature, pending: list[torch.Tensor], args: Sequence[Any]) -> None:
@@ -192,11 +202,8 @@ class DeferredGraph:
             _private.tensors_handle([_private.base_seed_tensor(str(torch_xla.device()))])[0] if self._random else 0
         )
         with torch.no_grad(), _private.eager_mode_context(False):
-            placeholders = [
-                _private.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
-                for a in args
-            ]
-            traced = self.gm(*_fresh_handles(placeholders))
+            placeholders, packs = _placeholders(args)
+            traced = self._device_gm(*_fresh_handles(placeholders))
             traced = list(traced) if isinstance(traced, (list, tuple)) else [traced]
             out_tensors: list[torch.Tensor] = []
             outputs: list[tuple[bool, Any]] = []
@@ -218,6 +225,10 @@ class DeferredGraph:
                     pid = ctx.tensor_parameter_id(p)
                     if pid >= 0:
                         sources[pid] = i
+            for pack in packs:
+                pid = ctx.tensor_parameter_id(pack.placeholder)
+                if pid >= 0:
+                    sources[pid] = pack.source
             for pid, t in params.items():
                 if sources[pid] is None:
                     sources[pid] = t
@@ -251,7 +262,9 @@ class DeferredGraph:
         with torch.no_grad(), _private.eager_mode_context(False):
             # Fresh handles only where needed: syncing a clone allocates a buffer of its own,
             # so an op that reads its data (a CPU fallback) would execute a copy first.
-            outs = self.gm(*(_fresh_handles(args) if _writes_into_inputs(self.gm) else args))
+            # Host scalars as device values, as the lowered graph reads them.
+            args = [a.to(torch_xla.device()) if host_scalars.is_host_scalar(a) else a for a in args]
+            outs = self._device_gm(*(_fresh_handles(args) if _writes_into_inputs(self._device_gm) else args))
         flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         del outs
         fallbacks = sorted(op for op, n in counting.fallback_counts().items() if n > fallbacks_before.get(op, 0))
@@ -270,7 +283,8 @@ class _LoweredGraph:
     """One graph lowered for one input signature.
 
     ``sources[k]`` feeds HLO parameter ``k``: an index into the runtime
-    arguments, or a constant tensor the lowering hoisted into a parameter.
+    arguments, host scalars packed into one vector (:class:`_Packed`), or a
+    constant tensor the lowering hoisted into a parameter.
     ``outputs[j]`` is an index into the computation's results, or the
     graph's non-tensor output itself (``None``, a Python number).
     ``seed``: for a graph that draws random numbers, the parameter that takes
@@ -278,17 +292,67 @@ class _LoweredGraph:
     """
 
     computation: Any
-    sources: tuple[Union[int, torch.Tensor], ...]
+    sources: tuple[Union[int, _Packed, torch.Tensor], ...]
     outputs: tuple[tuple[bool, Any], ...]
     seed: Optional[tuple[int, str]] = None
 
     def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
-        inputs = [args[s] if type(s) is int else s for s in self.sources]
+        inputs = [args[s] if type(s) is int else s.value(args) if type(s) is _Packed else s for s in self.sources]
         if self.seed is not None:
             inputs[self.seed[0]] = _next_seed(self.seed[1])
         results = _private.user_computation(USER_COMPUTATION_NAME, inputs, self.computation)
         outs = [results[v] if is_tensor else v for is_tensor, v in self.outputs]
         return outs, results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """An HLO parameter fed by the host scalars at ``positions`` of the runtime arguments (one dtype).
+
+    Stacked on the host and transferred as one vector: one transfer per call
+    and dtype, not one per scalar (a compiled AdamW has a step count per
+    parameter).
+    """
+
+    positions: tuple[int, ...]
+    device: str
+
+    def value(self, args: Sequence[Any]) -> torch.Tensor:
+        return torch.stack([args[i] for i in self.positions]).to(self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pack:
+    """At lowering: the placeholder vector standing for a :class:`_Packed` group."""
+
+    placeholder: torch.Tensor
+    source: _Packed
+
+
+def _placeholders(args: Sequence[Any]) -> tuple[list[Any], list[_Pack]]:
+    """Data-less device tensors standing for ``args`` while lowering, and the host-scalar packs among them.
+
+    Each tensor gets a placeholder of its shape and dtype, except host scalars
+    (:func:`host_scalars.is_host_scalar`): those of one dtype become elements
+    of one placeholder vector, so the lowered graph reads them as data.
+    """
+    placeholders = [
+        None if host_scalars.is_host_scalar(a) else
+        _private.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, a in enumerate(args):
+        if host_scalars.is_host_scalar(a):
+            by_dtype.setdefault(a.dtype, []).append(i)
+    device = str(torch_xla.device())
+    packs = []
+    for dtype, positions in by_dtype.items():
+        vector = _private.create_placeholder_tensor((len(positions),), dtype)
+        for j, i in enumerate(positions):
+            placeholders[i] = vector[j]
+        packs.append(_Pack(vector, _Packed(tuple(positions), device)))
+    return placeholders, packs
 
 
 def _next_seed(device: str) -> torch.Tensor:

@@ -101,6 +101,11 @@ def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False, fresh: bool = F
         _private.XLAC._xla_sync_multi(list(tensors), devices=[], wait=wait, sync_xla_data=fresh)
 
 
+def sync_fresh(outputs: Sequence[torch.Tensor]) -> None:
+    """``on_pending`` of a graph that executes at once: its new outputs in one execution (see :func:`sync`)."""
+    sync(outputs, fresh=True)
+
+
 def keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Makes each pending ``grad`` come out of its execution sharded like its ``param``.
 
