@@ -57,7 +57,7 @@ NEW_MODULES: dict[str, tuple[str, Optional[str]]] = {
 # Package modules whose uses (``_private.x``, ``counting.f``) are inlined: a plain binding of
 # a torch / torch_xla attribute becomes that attribute, anything else is copied in (with
 # what it needs from its module) under a private name.
-INLINED_MODULES = ("_private", "counting")
+INLINED_MODULES = ("_private", "counting", "host_scalars")
 # Values upstream gives to names from torch_xla_bridge/names.py (others keep the package's).
 UPSTREAM_NAMES = {
     "SYNC_COUNTER": "DynamoFusedGradSync",
@@ -70,6 +70,8 @@ UPSTREAM_CONSTANTS = {"UNFUSED_VIA": ""}
 MODULE_PATHS = {
     "torch_xla_bridge.deferred": "torch_xla._dynamo.deferred_backward",
     "torch_xla_bridge.grad_sync": "torch_xla._dynamo.grad_sync",
+    # Inlined into deferred_backward.py (INLINED_MODULES).
+    "torch_xla_bridge.host_scalars": "torch_xla._dynamo.deferred_backward",
 }
 
 BRIDGE_EDITS: Edits = [
