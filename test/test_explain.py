@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -411,3 +412,58 @@ def test_grad_left_pending_is_flagged_only_where_it_costs_an_execution(explained
     # A read of a pending .grad before the cut costs an execution under openxla_fused_step too.
     original = explained("original_report", FUSED_STEP)
     assert all(s.pending_grads == ["tensor0"] for s in original.steps)
+
+
+# --- the samples shown in the README and docs/explain.md -------------------------------
+
+_PROMPT = "$ PJRT_DEVICE=CPU python -m torch_xla_bridge.explain "
+
+
+def _samples() -> list[tuple[str, str, list[str]]]:
+    """(file, command's arguments, the lines shown after its `...`) of every explain sample in the docs."""
+    samples = []
+    for doc in ("README.md", "docs/explain.md"):
+        for block in re.findall(r"```text\n(.*?)```", (ROOT / doc).read_text(), flags=re.S):
+            lines = block.rstrip("\n").split("\n")
+            if lines[0].startswith(_PROMPT):
+                assert lines[1] == "...", f"{doc}: a sample shows the end of the output, after `...`"
+                samples.append((doc, lines[0][len(_PROMPT):], lines[2:]))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def sample_output():
+    """``sample_output(args)``: stdout of the command shown, run once from the repository root."""
+    outputs = {}
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for name in ("PT_XLA_DEBUG_FILE", "PT_XLA_DEBUG_LEVEL", "COLUMNS"):  # the CLI's defaults, its table width
+        env.pop(name, None)
+
+    def run(args: str) -> list[str]:
+        if args not in outputs:
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch_xla_bridge.explain", *args.split()],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            outputs[args] = [line.rstrip() for line in proc.stdout.splitlines()]
+        return outputs[args]
+
+    return run
+
+
+def test_the_docs_show_explain_samples():
+    docs = {doc for doc, _, _ in _samples()}
+    assert docs == {"README.md"} and len(_samples()) >= 2
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Explaining executions") : readme.index("## Layout")]
+    assert "pip install -e .[explain]" in section
+
+
+@pytest.mark.parametrize("doc, args, shown", _samples(), ids=[s[1] for s in _samples()])
+def test_doc_samples_are_the_tools_current_output(sample_output, doc, args, shown):
+    """What the docs show after `...` is the end of what the command prints now (graph hashes included:
+    torch_xla's hash of a graph is the same in every run of the same script)."""
+    pytest.importorskip("rich", reason="the samples are rich tables (the explain extra)")
+    out = sample_output(args)
+    assert out[-len(shown):] == shown, f"{doc}: the sample for `{args}` is not the current output"

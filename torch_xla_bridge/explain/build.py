@@ -10,8 +10,11 @@ A step is complete once ``Optimizer.step`` returned (``OptimizerStepped``) or,
 in a run that has not used a ``torch.optim`` optimizer, once a mark_step
 returned. A step completed by its optimizer still takes the executions that
 follow it (a trailing ``mark_step``, a ``loss.item()``) until the next step
-opens: at the next forward, input sync or backward pass. A step that a
-``mark_step`` ended takes nothing more: any later execution opens the next
+opens: at the next forward, input sync or backward pass. Nothing made inside
+an optimizer step (``CallStarted.in_optimizer``) opens or ends a step: dynamo
+may split a compiled step into graphs with input syncs between them, and
+``openxla_fused_step`` cuts at its start. A step that a ``mark_step`` ended
+takes nothing more: any later execution opens the next
 step. Work before the first backward pass or optimizer step (moving data, a
 first sync) is part of step 1. After ``ManualSteps`` only ``StepMarked`` ends
 a step.
