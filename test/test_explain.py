@@ -370,8 +370,8 @@ def test_a_compiled_optimizer_step_split_by_dynamo_is_one_step(explained, script
     assert len(report.steps) == ITERATIONS
     assert all(s.complete and s.optimizer_steps == 1 and s.backward_passes == 1 for s in report.steps)
     assert report.total == report.metrics["ExecuteTime"]
-    optimizer_graphs = [sum(e.cause is O for e in s.executions) for s in report.steps[1:]]
-    assert min(optimizer_graphs) > 1  # the case: the step ran as several graphs
+    if backend == UPSTREAM:  # the case: the step ran as several graphs (fused, they would execute nothing)
+        assert min(sum(e.cause is O for e in s.executions) for s in report.steps[1:]) > 1
     assert len({s.total for s in report.steps[1:]}) == 1  # the same work every steady step
 
 
