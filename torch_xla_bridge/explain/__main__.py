@@ -2,7 +2,8 @@
 
 Runs an unchanged training script and prints every XLA execution per step
 with its cause, then a one-line verdict. Options of this tool (``--steps``,
-``--json``, ``--graph``) are recognised before and after the script path; every
+``--json``, ``--graph``) are recognised before and after the script path
+(``-h``/``--help`` only before it: after it, it is the script's); every
 other argument goes to the script, and so does everything after ``--``
 (``... train.py --steps 3 -- --steps 100`` passes ``--steps 100`` to the script).
 
@@ -21,6 +22,7 @@ import tempfile
 from typing import Optional, Sequence
 
 _OURS = {"--steps": int, "--json": str, "--graph": str}
+_HELP = ("-h", "--help")
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -32,7 +34,9 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             theirs.extend(it)
             break
         key = arg.split("=", 1)[0]
-        if key in _OURS:
+        if key in _HELP and not theirs:  # ours before the script path, the script's after it
+            ours.append(arg)
+        elif key in _OURS:
             ours.append(arg)
             if "=" not in arg:
                 ours.append(next(it, ""))
@@ -45,9 +49,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ours, rest = _split(argv)
     ap = argparse.ArgumentParser(
         prog="python -m torch_xla_bridge.explain",
+        usage="%(prog)s [-h] [--steps N] [--json PATH] [--graph PATH] train.py [script args...]",
         description="Explain every XLA execution of a training script, per step.",
+        epilog="This tool's options are recognised before and after the script path (-h/--help only before "
+        "it); every other argument, and everything after `--`, goes to the script.",
     )
-    ap.add_argument("--steps", type=int, default=None, help="stop the script after N training steps")
+    ap.add_argument("script", nargs="?", metavar="train.py", help="the training script, run unchanged as __main__")
+    ap.add_argument("--steps", type=int, default=None, metavar="N", help="stop the script after N training steps")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     ap.add_argument(
         "--graph", metavar="PATH", help="write the first backward's autograd graph as DOT (and PATH.png with Graphviz)"

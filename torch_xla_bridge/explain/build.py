@@ -10,8 +10,11 @@ A step is complete once ``Optimizer.step`` returned (``OptimizerStepped``) or,
 in a run that has not used a ``torch.optim`` optimizer, once a mark_step
 returned. A step completed by its optimizer still takes the executions that
 follow it (a trailing ``mark_step``, a ``loss.item()``) until the next step
-opens: at the next forward, input sync or backward pass. A step that a
-``mark_step`` ended takes nothing more: any later execution opens the next
+opens: at the next forward, input sync or backward pass. Nothing made inside
+an optimizer step (``CallStarted.in_optimizer``) opens or ends a step: dynamo
+may split a compiled step into graphs with input syncs between them, and
+``openxla_fused_step`` cuts at its start. A step that a ``mark_step`` ended
+takes nothing more: any later execution opens the next
 step. Work before the first backward pass or optimizer step (moving data, a
 first sync) is part of step 1. After ``ManualSteps`` only ``StepMarked`` ends
 a step.
@@ -23,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..names import COMPILE_COUNTERS, FORWARD_ALONE_COUNTER, INPUT_SYNC_COUNTER, STEP_COUNTER, SYNC_COUNTER
 from . import events as ev
-from .report import Cause, Execution, ExecutionReport, Step
+from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 
 # The counters a report sums over the run (report.metrics, besides ExecuteTime).
 COUNTED = (INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, FORWARD_ALONE_COUNTER, *COMPILE_COUNTERS)
@@ -38,7 +41,7 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     right before each (``call.counters``), never by its function names.
     """
     signal = call.counters.get
-    target = "backward" if call.in_backward else "optimizer step" if call.in_optimizer else "forward"
+    target = _target(call)
     if call.entry == ev.RUN_CACHED_GRAPH:
         if call.in_backward:
             return Cause.BACKWARD, "compiled backward graph (dynamo bridge)"
@@ -59,7 +62,7 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     if signal(SYNC_COUNTER):
         return (
             Cause.BACKWARD,
-            f"deferred backward + .grad accumulation: {call.synced} tensors, one sync at "
+            f"{FUSED_GRAD_SYNC}: {call.synced} tensors, one sync at "
             "the end of the backward pass (openxla_fused_grad)",
         )
     if signal(FORWARD_ALONE_COUNTER):
@@ -67,6 +70,14 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     # Upstream's bridge and ours (which syncs the same inputs first, without
     # buffer donation) both bump INPUT_SYNC_COUNTER right before the sync.
     from_bridge = bool(signal(INPUT_SYNC_COUNTER))
+    if from_bridge and call.changed_grads:
+        # The backward left them pending, then the user's code changed them:
+        # a fused backward syncs them at its end, and they are pending again here.
+        return (
+            Cause.INPUT_SYNC,
+            f"pending .grad of {_some(call.grads)}, changed in place after backward (clipped, scaled, ...), "
+            f"synced by the dynamo bridge before the compiled {target}",
+        )
     if from_bridge and call.grads:
         return (
             Cause.GRAD_ACCUMULATION,
@@ -84,6 +95,10 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     if call.grads:
         return Cause.GRAD_READ, f"pending .grad of {_some(call.grads)} synced (_xla_sync_multi)"
     return Cause.OTHER, f"_xla_sync_multi of {call.synced} tensors"
+
+
+def _target(call: ev.CallStarted) -> str:
+    return "backward" if call.in_backward else "optimizer step" if call.in_optimizer else "forward"
 
 
 def _some(names: Sequence[str], limit: int = 3) -> str:
@@ -130,6 +145,10 @@ class ReportBuilder:
         self._manual = False
         self._optimizer_seen = False
         self._call: Optional[tuple[ev.CallStarted, Cause, str]] = None  # the call in progress
+        # Whether the last backward pass ran a compiled graph's backward. If not,
+        # a pending .grad holds the whole lazy forward and backward, which no
+        # backend's fused backward removes.
+        self._compiled_backward = True
         self._counted = dict.fromkeys(COUNTED, 0)
 
     @property
@@ -147,6 +166,8 @@ class ReportBuilder:
     # --- events -----------------------------------------------------------------------
 
     def _on_OptimizerStepped(self, e: ev.OptimizerStepped) -> None:
+        if self._step.optimizer_end is None:
+            self._step.optimizer_end = len(self._step.executions)
         self._step.optimizer_steps += e.count
         self._optimizer_seen = True
         if not self._manual and self._state == "open":
@@ -158,34 +179,65 @@ class ReportBuilder:
         if e.executions and not e.at_exit and self._state == "sync" and not self._manual:
             self._close()
         alone = len(e.executions) == 1
-        self._step.executions += [_gap_execution(x, e.materialized, alone) for x in e.executions]
+        new = [_gap_execution(x, e.materialized, alone) for x in e.executions]
+        for x in new:
+            if x.cause is Cause.GRAD_READ and not self._compiled_backward:
+                x.cause = Cause.VALUE_READ
+                x.detail = f"read of the .grad of {_some(e.materialized)}, computed lazily (no compiled backward)"
+        self._step.executions += new
 
     def _on_CallStarted(self, e: ev.CallStarted) -> None:
         cause, detail = classify(e)
         self._call = (e, cause, detail)
-        self._opening(cause in _OPENING or (cause is Cause.MARK_STEP and self._state == "sync"))
+        # Inside an optimizer step nothing opens the next step: dynamo may split a
+        # compiled step into several graphs, with input syncs (and, under
+        # openxla_fused_step, its cut) between them, all before its post-hook fires.
+        opening = cause in _OPENING or (cause is Cause.MARK_STEP and self._state == "sync")
+        self._opening(opening and not e.in_optimizer)
 
     def _on_CallReturned(self, e: ev.CallReturned) -> None:
         if self._call is None or self._call[0].entry != e.entry:
             raise ValueError(f"{e.entry} returned without a matching CallStarted")
         call, cause, detail = self._call
         self._call = None
+        if cause in (Cause.GRAD_ACCUMULATION, Cause.GRAD_READ) and not self._compiled_backward:
+            cause = Cause.INPUT_SYNC
+            detail = (
+                f"pending .grad of {_some(call.grads)}, computed lazily (the backward pass ran no compiled "
+                f"graph: forward and backward execute here), synced before the compiled {_target(call)}"
+            )
         new = [
-            _graph_info(Execution(cause, detail, e.entry, call.frame, ir=call.ir, in_backward=call.in_backward), x)
+            _graph_info(
+                Execution(
+                    cause, detail, e.entry, call.frame, ir=call.ir, in_backward=call.in_backward,
+                    in_optimizer=call.in_optimizer,
+                ),
+                x,
+            )
             for x in e.executions
         ]
-        if new and e.materialized and e.entry == ev.STEP_MARKER:
+        cut = cause is Cause.MARK_STEP and bool(call.counters.get(STEP_COUNTER))
+        if cut and e.materialized:
+            # openxla_fused_step leaves .grad pending by design: its cut runs the
+            # accumulation with the rest of the step, at no execution of its own.
+            self._step.pending_grads = [n for n in self._step.pending_grads if n not in e.materialized]
+            self._step.grads_in_cut += [n for n in e.materialized if n not in self._step.grads_in_cut]
+        elif new and e.materialized and e.entry == ev.STEP_MARKER:
             # A sync of every live tensor: it ran the accumulation left pending.
             for x in new:
                 x.detail += f"; it executed the pending .grad of {_some(e.materialized)}"
                 if x.cause is Cause.OTHER:
                     x.cause = Cause.GRAD_ACCUMULATION
         self._step.executions += new
-        if cause is Cause.MARK_STEP and not self._manual and (self._state == "optimizer" or not self._optimizer_seen):
+        # A mark_step inside an optimizer step (openxla_fused_step's cut) is part of
+        # that step, which its post-hook ends: it must not end the step itself.
+        ends = self._state == "optimizer" or not self._optimizer_seen
+        if cause is Cause.MARK_STEP and not self._manual and not call.in_optimizer and ends:
             self._state = "sync"
 
     def _on_BackwardStarted(self, e: ev.BackwardStarted) -> None:
         self._opening(True)
+        self._compiled_backward = e.compiled
 
     def _on_BackwardEnded(self, e: ev.BackwardEnded) -> None:
         self._step.backward_passes += 1

@@ -61,6 +61,8 @@ class CallStarted:
     synced: int = 0  # _xla_sync_multi: tensors passed
     pending: int = 0  # _xla_sync_multi: of those, holding pending IR
     grads: list[str] = dataclasses.field(default_factory=list)  # leaves whose pending .grad is among them
+    # Of those, leaves whose .grad was changed in place since the backward pass (clipped, scaled).
+    changed_grads: list[str] = dataclasses.field(default_factory=list)
     ir: Optional[str] = None  # pending IR of the synced tensors
 
 
@@ -86,6 +88,9 @@ class BackwardStarted:
     """``torch.autograd.backward`` was called."""
 
     frame: str = ""
+    # A compiled graph's backward node is in the pass (False: only eager, lazily
+    # traced ops, whose .grad hold the whole forward and backward as pending IR).
+    compiled: bool = True
 
 
 @dataclasses.dataclass

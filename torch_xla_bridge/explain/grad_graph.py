@@ -172,7 +172,13 @@ def autograd_graph(
 
 def accumulate_grad_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The leaves whose ``.grad`` a backward from ``roots`` accumulates into."""
+    return backward_nodes(roots)[0]
+
+
+def backward_nodes(roots: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The leaves a backward from ``roots`` accumulates into, and whether a compiled graph's node is on the way."""
     seen, leaves, stack = set(), [], [r.grad_fn for r in roots if r.grad_fn is not None]
+    compiled = False
     while stack:
         fn = stack.pop()
         if fn in seen:
@@ -180,8 +186,9 @@ def accumulate_grad_leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         seen.add(fn)
         if type(fn) is _AccumulateGrad:
             leaves.append(fn.variable)
+        compiled = compiled or type(fn).__name__.startswith("CompiledFunction")
         stack.extend(n for n, _ in fn.next_functions if n is not None)
-    return leaves
+    return leaves, compiled
 
 
 def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str]:

@@ -53,7 +53,7 @@ from . import analysis as xla_analysis
 from . import events as ev
 from .build import COUNTED, ReportBuilder
 from .frames import first_user_frame, stack_files, user_frame
-from .grad_graph import GradGraph, Names, accumulate_grad_leaves, autograd_graph, leaf_names
+from .grad_graph import GradGraph, Names, autograd_graph, backward_nodes, leaf_names
 from .report import ExecutionReport
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,11 @@ _active: Optional["Explainer"] = None
 
 class StopExplain(BaseException):
     """Raised into the explained code to stop it after the requested number of steps."""
+
+
+def _ir_hash(tensor: torch.Tensor) -> bytes:
+    """torch_xla's hash of the pending IR graph of ``tensor``: it changes when an op is applied to it in place."""
+    return bytes(torch_xla._XLAC._get_graph_hash([tensor]))
 
 
 def _needs_materialization(tensors: Sequence[torch.Tensor]) -> list[bool]:
@@ -111,7 +116,8 @@ class Explainer:
         self._depth = 0
         self._counters: dict[str, int] = {}  # value of each of COUNTED at the last look
         self._leaf_names = WeakIdKeyDictionary()  # leaf -> name, for the leaves backward fed
-        self._pending: list[tuple[str, weakref.ref]] = []  # .grad left pending by the last backward
+        # .grad left pending by the last backward: leaf name, the tensor, the hash of its pending IR then.
+        self._pending: list[tuple[str, weakref.ref, bytes]] = []
         self._backward_frame = ""
         self._originals: dict[str, Callable] = {}
         self._hook: Any = None
@@ -202,13 +208,13 @@ class Explainer:
             self._poll_optimizer()
             self._emit_gap()
             self._backward_frame = user_frame(sys._getframe(1))
-            self._emit(ev.BackwardStarted(self._backward_frame))
-            self._stop_if_done()
             roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             roots = [r for r in roots if isinstance(r, torch.Tensor)]
+            leaves, compiled = backward_nodes(roots)
+            self._emit(ev.BackwardStarted(self._backward_frame, compiled))
+            self._stop_if_done()
             if self._want_graph and self.graph is None:
                 self.graph = autograd_graph(roots, self.names)
-            leaves = accumulate_grad_leaves(roots)
             result = original(tensors, *args, **kwargs)
             self._emit(ev.BackwardEnded(self._after_backward(leaves)))
             return result
@@ -237,6 +243,7 @@ class Explainer:
             pending = [t for t, p in zip(tensors, _needs_materialization(tensors)) if p]
             call.synced, call.pending = len(tensors), len(pending)
             call.grads = self._grads_among(pending)
+            call.changed_grads = self._changed_grads(pending)
             if pending and not any(counters.get(c) for c in _CORE_SYNCS):
                 call.ir = torch_xla._XLAC._get_xla_tensors_text(pending)
         return call
@@ -245,6 +252,20 @@ class Explainer:
         """Names of the leaves (fed by a recorded backward) whose ``.grad`` is among ``tensors``."""
         by_grad = {id(leaf.grad): name for leaf, name in self._leaf_names.items() if leaf.grad is not None}
         return [by_grad[id(t)] for t in tensors if id(t) in by_grad]
+
+    def _changed_grads(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        """Leaves whose pending ``.grad`` among ``tensors`` is not as the last backward left it (clipped, scaled).
+
+        Either the backward left it materialized (a fused backward syncs it) or
+        its pending IR changed since: the user's code made it pending.
+        """
+        by_grad = {id(leaf.grad): name for leaf, name in self._leaf_names.items() if leaf.grad is not None}
+        watched = {id(ref()): h for _, ref, h in self._pending if ref() is not None}
+        return [
+            by_grad[id(t)]
+            for t in tensors
+            if id(t) in by_grad and (id(t) not in watched or _ir_hash(t) != watched[id(t)])
+        ]
 
     def _executions_since(self, entry: str = "", args: tuple = (), result: Any = None) -> list[ev.XlaExecution]:
         """One record per execution since the last look (waits for the device)."""
@@ -311,10 +332,10 @@ class Explainer:
 
     def _refresh_pending(self) -> list[str]:
         """Drops .grad tensors no longer pending from the watch list; returns their names."""
-        alive = [(name, ref) for name, ref in self._pending if ref() is not None]
-        flags = _needs_materialization([ref() for _, ref in alive])
+        alive = [item for item in self._pending if item[1]() is not None]
+        flags = _needs_materialization([ref() for _, ref, _ in alive])
         self._pending = [item for item, p in zip(alive, flags) if p]
-        return [name for (name, _), p in zip(alive, flags) if not p]
+        return [name for (name, _, _), p in zip(alive, flags) if not p]
 
     def _after_backward(self, leaves: list[torch.Tensor]) -> list[str]:
         """Watches the ``.grad`` the pass left pending; returns their leaves' names."""
@@ -325,7 +346,7 @@ class Explainer:
         grads = [(self._leaf_names[l], l.grad) for l in leaves if l.grad is not None and l.grad.device.type == "xla"]
         flags = _needs_materialization([g for _, g in grads])
         pending = [(name, g) for (name, g), p in zip(grads, flags) if p]
-        self._pending = [(name, weakref.ref(g)) for name, g in pending]
+        self._pending = [(name, weakref.ref(g), _ir_hash(g)) for name, g in pending]
         return [name for name, _ in pending]
 
 

@@ -44,25 +44,95 @@ FIX = "backend='openxla_fused_grad' runs them inside the backward's execution"
 
 _READS = (Cause.VALUE_READ, Cause.GRAD_READ)
 _STEP_ENDS = (Cause.OPTIMIZER, Cause.MARK_STEP)
+FUSED_GRAD, FUSED_STEP = "openxla_fused_grad", "openxla_fused_step"
+# How build.classify's detail of openxla_fused_grad's end-of-backward sync begins.
+FUSED_GRAD_SYNC = "deferred backward + .grad accumulation"
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What a backend would run for a step: ``low`` executions, exactly when ``estimate`` is empty.
+
+    Otherwise between ``low`` and ``high``, for the reason ``estimate`` gives:
+    the report never states a number it cannot derive from what ran.
+    """
+
+    backend: str
+    low: int
+    high: Optional[int]  # None: no upper bound known
+    estimate: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return not self.estimate
+
+    def __str__(self) -> str:
+        if self.exact:
+            return f"{self.backend} {self.low}"
+        count = f">={self.low}" if self.high is None else f"{self.low}-{self.high}" if self.high != self.low else f"~{self.low}"
+        return f"{self.backend} {count} (estimate: {self.estimate})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"low": self.low, "high": self.high, "exact": self.exact, "estimate": self.estimate}
+
+
+def predict(step: "Step") -> list[Prediction]:
+    """What each fused backend would run for this step, derived from what it ran.
+
+    ``openxla_fused_grad`` runs everything but the avoidable executions (its
+    forward and optimizer graphs run as upstream's). ``openxla_fused_step``
+    runs the step as one execution (its cut), plus each read made before the
+    optimizer step (or mark_step) ended, plus each forward such a read follows
+    (it then executes that forward on its own); a read after the step ended is
+    free, the cut materialized what it reads. Where dynamo split a compiled optimizer step
+    into several graphs, whether that backend fuses them depends on the graphs
+    (e.g. an optimizer's step counters kept on the CPU): that prediction is a
+    range, from all fused to all run as upstream runs them (each after the cut).
+    A read that executed nothing in the explained run is not seen: under
+    ``openxla_fused_grad`` (whose backward leaves nothing pending) that
+    prediction is only a lower bound, and says so. A run under
+    ``openxla_fused_step`` predicts nothing: its executions no longer show what
+    the others would run separately.
+    """
+    if any(e.detail.startswith(FUSED_STEP) for e in step.executions):
+        return []
+    if step.optimizer_end is not None:
+        end = step.optimizer_end
+    else:
+        ends = [i for i, e in enumerate(step.executions) if e.cause in _STEP_ENDS]
+        end = ends[-1] if ends else len(step.executions)
+    before = step.executions[:end]
+    reads = [i for i, e in enumerate(before) if e.cause in _READS]
+    # A read between a forward and the cut makes that backend execute the forward on its own.
+    alone = sum(e.cause is Cause.FORWARD for e in before[: reads[-1]]) if reads else 0
+    low = 1 + len(reads) + alone
+    fused_step = Prediction(FUSED_STEP, low, low)
+    if any(e.detail.startswith(FUSED_GRAD_SYNC) for e in step.executions):
+        # Its backward left nothing pending: reads between forward and cut executed nothing here.
+        fused_step = Prediction(
+            FUSED_STEP, low, None,
+            f"under {FUSED_GRAD} a read before the optimizer step executes nothing, so is not seen; "
+            f"explain under openxla for an exact count",
+        )
+    graphs = [i for i, e in enumerate(before) if e.cause is Cause.OPTIMIZER]
+    if len(graphs) > 1:
+        # Unfused, each graph runs as upstream ran it here, with the input syncs between
+        # them; what was pending before the first (the .grad) the cut runs, before it.
+        upstream = sum(
+            e.in_optimizer and e.cause in (Cause.OPTIMIZER, Cause.INPUT_SYNC) for e in before[graphs[0] :]
+        )
+        fused_step = Prediction(
+            FUSED_STEP, low, None if fused_step.high is None else low + upstream,
+            f"the compiled optimizer step ran as {len(graphs)} graphs, {low} if {FUSED_STEP} fuses them, "
+            f"{low + upstream} if it runs them unfused"
+            + (f"; and {fused_step.estimate}" if fused_step.high is None else ""),
+        )
+    return [Prediction(FUSED_GRAD, step.total - len(step.avoidable), step.total - len(step.avoidable)), fused_step]
 
 
 def _predicted(step: "Step") -> str:
-    """What each backend would run for this step, from what it ran.
-
-    ``openxla_fused_grad`` runs everything but the avoidable executions;
-    ``openxla_fused_step`` runs the step as one execution plus each read made
-    before the step ended (a read after the optimizer step or sync is free).
-    A read that executed nothing in the explained run (a ``.grad`` read under
-    ``openxla_fused_grad``) is not seen, so it is not counted. A run under
-    ``openxla_fused_step`` predicts nothing.
-    """
-    if any(e.detail.startswith("openxla_fused_step") for e in step.executions):
-        return ""  # its executions no longer show what the others would run separately
-    ends = [i for i, e in enumerate(step.executions) if e.cause in _STEP_ENDS]
-    end = ends[-1] if ends else len(step.executions)
-    reads = sum(e.cause in _READS for e in step.executions[:end])
-    fused_grad = step.total - len(step.avoidable)
-    return f"; predicted per step: openxla_fused_grad {fused_grad}, openxla_fused_step {1 + reads}"
+    predictions = predict(step)
+    return f"; predicted per step: {', '.join(map(str, predictions))}" if predictions else ""
 
 
 @dataclasses.dataclass
@@ -84,6 +154,7 @@ class Execution:
     torch_xla_cause: Optional[str] = None  # the analysis's own "Execution Cause"
     ir: Optional[str] = None  # pending IR of the synced tensors, where the recorder saw them
     in_backward: bool = False  # made inside an autograd engine pass
+    in_optimizer: bool = False  # made below a frame in torch/optim (an optimizer step)
 
     @property
     def avoidable(self) -> bool:
@@ -103,8 +174,12 @@ class Step:
 
     number: int
     executions: list[Execution] = dataclasses.field(default_factory=list)
-    # Leaves whose .grad still held pending IR right after a backward pass.
+    # Leaves whose .grad still held pending IR right after a backward pass (and cost an execution of their own).
     pending_grads: list[str] = dataclasses.field(default_factory=list)
+    # Leaves whose pending .grad openxla_fused_step's cut executed with the rest of the step: its design, no fault.
+    grads_in_cut: list[str] = dataclasses.field(default_factory=list)
+    # Executions the step had made when its (first) optimizer step returned; None: no optimizer step.
+    optimizer_end: Optional[int] = None
     backward_passes: int = 0
     optimizer_steps: int = 0
     complete: bool = True
@@ -126,6 +201,9 @@ class Step:
             "backward_passes": self.backward_passes,
             "optimizer_steps": self.optimizer_steps,
             "pending_grads": list(self.pending_grads),
+            "grads_in_cut": list(self.grads_in_cut),
+            "optimizer_end": self.optimizer_end,
+            "predicted": {p.backend: p.to_dict() for p in predict(self)},
             "executions": [e.to_dict() for e in self.executions],
         }
 
@@ -161,8 +239,12 @@ class ExecutionReport:
         first, last = steady[0].number, steady[-1].number
         span = f"step {first}" if first == last else f"steps {first}-{last}"
         line = f"{per_step} executions per step ({span})"
-        # The last step stands for the steady state: its avoidable executions, by cause.
-        rep = steady[-1]
+        # The most common step stands for the steady state (the last of those: the last
+        # step also holds whatever the script ran after training): its avoidable
+        # executions, by cause, and the predictions.
+        common = collections.Counter(s.total for s in steady).most_common()
+        most = [total for total, n in common if n == common[0][1]]
+        rep = [s for s in steady if s.total in most][-1]
         avoidable = collections.Counter(e.cause for e in rep.avoidable)
         if not avoidable:
             causes = ", ".join(e.cause.value for e in rep.executions) or "none"
