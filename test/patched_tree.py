@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from limits import HANG_TIMEOUT_S
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # A clean patch: no hunk needed an offset or fuzz to apply, and none failed.
 UNCLEAN = r"offset|fuzz|FAILED"
@@ -54,7 +56,7 @@ def copy_installed(
 
 def apply_cleanly(args: list[str], root: pathlib.Path, unclean: str = UNCLEAN) -> subprocess.CompletedProcess:
     """Runs the patch command ``args`` in ``root``; asserts it succeeded and said nothing matching ``unclean``."""
-    proc = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert not re.search(unclean, out), out
@@ -65,7 +67,7 @@ def run_with_path(
     args: list[str],
     pythonpath: str | pathlib.Path | None,
     cwd: pathlib.Path = ROOT,
-    timeout: int = 600,
+    timeout: float = HANG_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs ``args`` on PJRT's CPU device with just ``pythonpath`` on ``PYTHONPATH`` (None: the installed packages)."""
@@ -82,7 +84,7 @@ def run_script(
     pythonpath: pathlib.Path | None,
     *args: str,
     cwd: pathlib.Path = ROOT,
-    timeout: int = 600,
+    timeout: float = HANG_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> tuple[subprocess.CompletedProcess, str]:
     """Runs ``script`` under :data:`RUNNER` with ``pythonpath`` first; returns the process and its stdout + stderr."""

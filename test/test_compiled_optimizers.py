@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from limits import HANG_TIMEOUT_S
 import optimizer_loops
 from test_user_loops import assert_matches_eager_cpu_record
 from xla_helpers import FUSED, FUSED_STEP
@@ -39,7 +40,7 @@ def run_backend(backend: str) -> dict[str, Any]:
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run(
         [sys.executable, str(HERE / "optimizer_loops.py"), backend],
-        capture_output=True, text=True, timeout=1800, env=env, cwd=HERE,
+        capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env, cwd=HERE,
     )
     if proc.returncode != 0:
         pytest.fail(f"optimizer_loops.py {backend} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from limits import HANG_TIMEOUT_S
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -42,7 +44,7 @@ def test_python_sample_runs(name, code, tmp_path):
     # The package under test first on the path, as a user's checkout would have it installed.
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_TIMEOUT_S
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
@@ -54,7 +56,7 @@ def test_mkdocs_build_strict(tmp_path):
         pytest.skip("mkdocs is not installed (pip install -e .[docs]); scripts/env.sh installs it")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for page in ("index.html", "guide/index.html", "design/index.html", "benchmarks/index.html",

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla.core.xla_model as xm
 
+from limits import HANG_TIMEOUT_S
 import numerics_survey as survey
 from xla_helpers import FUSED, FUSED_STEP, cpu_and_xla_copy, device, executions, recorded_warnings
 
@@ -218,7 +219,7 @@ def test_spmd_training_with_dropout_and_batchnorm_matches_eager_cpu(tmp_path):
         [sys.executable, str(ROOT / "test" / "spmd_eager_numerics.py"), str(out)],
         env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
                  PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")])),
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+from limits import HANG_TIMEOUT_S
 import torch_xla_bridge
 from torch_xla_bridge import names
 from torch_xla_bridge.explain import Cause, autograd_graph, explain, format_text, print_report, run_script
@@ -186,7 +187,7 @@ def test_bad_arguments_are_named():
 def test_help_prints_the_options_and_exits_0(flag):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_xla_bridge.explain", flag], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "torch_xla_bridge.explain", flag], env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: python -m torch_xla_bridge.explain")
@@ -201,7 +202,7 @@ def test_cli_explains_the_original_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch_xla_bridge.explain", str(EXAMPLE), "--steps", "3",
          "--json", str(out_json), "--graph", str(out_dot), "--backend", "openxla"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
@@ -443,7 +444,7 @@ def sample_output():
         if args not in outputs:
             proc = subprocess.run(
                 [sys.executable, "-m", "torch_xla_bridge.explain", *args.split()],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
             outputs[args] = [line.rstrip() for line in proc.stdout.splitlines()]

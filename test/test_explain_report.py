@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from limits import HANG_TIMEOUT_S
 from torch_xla_bridge.explain import events as ev
 from torch_xla_bridge.explain.build import ReportBuilder, build, classify
 from torch_xla_bridge.explain.report import FUSED_GRAD, FUSED_STEP, Cause, predict
@@ -267,7 +268,7 @@ for name, path in (("torch_xla_bridge", {str(package)!r}), ("torch_xla_bridge.ex
 import torch_xla_bridge.explain.build
 print(" ".join(sorted(m for m, module in sys.modules.items() if m.startswith("torch") and module is not None)))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [
         "torch_xla_bridge",

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from bench.worker import MODES
+from limits import HANG_TIMEOUT_S
 from torch_xla_bridge.names import BACKEND_NAME, STEP_BACKEND_NAME, UPSTREAM_BACKEND_NAME
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,7 +24,7 @@ def test_host_time_report(tmp_path: pathlib.Path) -> None:
     env["PJRT_DEVICE"] = "CPU"
     args = ["--workloads", "bank10", "--warmup", "2", "--rounds", "1", "--steps", "2", "--block", "2"]
     proc = subprocess.run([sys.executable, "-m", "bench.host_time", *args, "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "host_time.json").read_text())
     (w,) = report["workloads"]

@@ -30,7 +30,7 @@ def test_ten_steps_match_upstream_and_eager_cpu(task_name, optimizer):
     assert all(r.grads_pending == 0 for r in fused.steps)
 
 
-def test_compiled_adamw_matches_upstream_with_two_fewer_executions():
+def test_compiled_adamw_matches_upstream_in_three_executions_per_step():
     task = mlp_task()
     kw = dict(steps=6, optimizer="adamw", set_to_none=False, compiled_optimizer=True)
     fused = train(task, FUSED, model=make_model(task), **kw)
@@ -39,7 +39,12 @@ def test_compiled_adamw_matches_upstream_with_two_fewer_executions():
     want = cpu_state(base.model)
     for name, value in cpu_state(fused.model).items():
         torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=name)
-    # The loss seed and the .grad accumulation no longer execute on their own.
     for ours, theirs in zip(fused.steps[2:], base.steps[2:], strict=True):
-        assert ours.total == theirs.total - 2, (ours, theirs)
+        # Upstream: the loss seed before the backward; the .grad accumulation before the
+        # optimizer step, whose one dynamo graph then runs as 3 executions around its CPU step
+        # counts (a graph, an input sync, a graph). Here the seed and the accumulation run
+        # inside the backward's execution, and the optimizer's graph is one execution
+        # (torch_xla_bridge/host_scalars.py).
+        assert (theirs.forward, theirs.backward, theirs.optimizer) == (1, 2, 1 + 3), theirs
+        assert (ours.forward, ours.backward, ours.optimizer) == (1, 1, 1), ours
         assert ours.backward == 1 and ours.grads_pending == 0

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from bench.per_op import FLOOR, MODES
+from limits import HANG_TIMEOUT_S
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ def test_per_op_report(tmp_path: pathlib.Path) -> None:
     args = ["--tensors", "50", "--reps", "2", "--workload", "bank10", "--rounds", "2", "--sizes", "20,50",
             "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "bench.per_op", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "per_op.json").read_text())
     assert [r["functionalization"] for r in report["runs"]] == [True, False]

@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 import torch._dynamo
 
+from limits import HANG_TIMEOUT_S
 import torch_xla_bridge
 from xla_helpers import FUSED, FUSED_STEP
 
@@ -15,7 +16,7 @@ from xla_helpers import FUSED, FUSED_STEP
 def run_python(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=HANG_TIMEOUT_S
     )
 
 

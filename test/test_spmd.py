@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from limits import HANG_TIMEOUT_S
 from xla_helpers import FUSED, UPSTREAM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def _run_spmd(script: Path, *args: str, **env: str) -> subprocess.CompletedProce
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

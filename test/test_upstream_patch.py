@@ -25,6 +25,7 @@ import sys
 
 import pytest
 
+from limits import HANG_TIMEOUT_S
 from patched_tree import ROOT, UNCLEAN, apply_cleanly, copy_installed, run_script
 
 UPSTREAM = ROOT / "upstream"
@@ -52,11 +53,11 @@ UPSTREAM_TEST_ENV = {"BATCH_SIZE": "4", "SAMPLE_COUNT": "3", "IMAGE_SIZE": "64"}
 def _git(*args: str, cwd: pathlib.Path | None = None, text: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
                GIT_COMMITTER_EMAIL="t@t")
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=text, timeout=120, env=env)
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=text, timeout=HANG_TIMEOUT_S, env=env)
 
 
 def _run_patched(root: pathlib.Path, script: pathlib.Path, *args: str, env: dict | None = None):
-    proc, out = run_script(script, root, *args, cwd=root, timeout=900, env=env)
+    proc, out = run_script(script, root, *args, cwd=root, timeout=HANG_TIMEOUT_S, env=env)
     assert f"TORCH_XLA_FILE {root / 'torch_xla' / '__init__.py'}" in out, out[-3000:]
     assert "BRIDGE_IMPORTED False" in out, out[-3000:]
     return proc, out
@@ -276,10 +277,10 @@ def test_upstream_suite_subset_in_every_mode(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(UPSTREAM / "run_upstream_suite.py"), "--checkout", str(checkout),
          *([] if (checkout / suite.TEST_DIR).is_dir() else ["--ref", "v2.9.0"]),
-         "--files", ",".join(SUBSET), "--json", str(out), "--check", "--timeout", "600"],
+         "--files", ",".join(SUBSET), "--json", str(out), "--check", "--timeout", str(HANG_TIMEOUT_S)],
         # CI set as CI machines set it: torch's run_tests() then wants xmlrunner, and every
         # file failed at import in every mode alike, which --check did not see.
-        capture_output=True, text=True, timeout=1200, env=dict(os.environ, CI="true"),
+        capture_output=True, text=True, timeout=HANG_TIMEOUT_S * len(SUBSET) * len(suite.MODES), env=dict(os.environ, CI="true"),
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())

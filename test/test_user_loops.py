@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
+from limits import HANG_TIMEOUT_S
 import user_loops
 from xla_helpers import FUSED, FUSED_STEP, UPSTREAM
 
 HERE = Path(__file__).parent
 
 
-def run_loop(name: str, backend: str, timeout: int = 600) -> dict[str, Any]:
+def run_loop(name: str, backend: str, timeout: float = HANG_TIMEOUT_S) -> dict[str, Any]:
     """Runs ``user_loops.LOOPS[name]`` on XLA in a fresh process; fails the test if it dies."""
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run(

@@ -512,20 +512,36 @@ class _ModuleWriter:
             for child in ast.iter_child_nodes(n):
                 visit(child)
 
-        if isinstance(node, ast.FunctionDef):
-            # The def's own name is not a node: rename it in the header.
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            # The definition's own name is not a node: rename it in the header.
             return self._renamed_def(src, node, own, visit, spans)
         visit(node)
         return src.segment(node, spans)
 
-    def _renamed_def(self, src: _Source, node: ast.FunctionDef, own: tuple[str, str], visit, spans: list[_Span]) -> str:
-        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs + [node.args.vararg, node.args.kwarg]
-        annotations = [a.annotation for a in args if a is not None] + [node.returns]
-        for child in node.args.defaults + node.args.kw_defaults + node.body + node.decorator_list + annotations:
+    def _renamed_def(self, src: _Source, node: ast.FunctionDef | ast.ClassDef, own: tuple[str, str], visit,
+                     spans: list[_Span]) -> str:
+        """A def or class, its decorators included (the node's own span starts at ``def``/``class``)."""
+        if isinstance(node, ast.FunctionDef):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs + [node.args.vararg, node.args.kwarg]
+            children = node.args.defaults + node.args.kw_defaults + [a.annotation for a in args if a is not None]
+            children.append(node.returns)
+            keyword = "def"
+        else:
+            children = node.bases + [k.value for k in node.keywords]
+            keyword = "class"
+        for child in children + node.body + node.decorator_list:
             if child is not None:
                 visit(child)
-        text = src.segment(node, spans)
-        return text.replace(f"def {own[0]}(", f"def {own[1]}(", 1)
+        start = src.offsets(node)[0]
+        text = src.segment(node, [s for s in spans if s[0] >= start])
+        header = re.compile(rf"{keyword} {re.escape(own[0])}\b")
+        if not header.match(text):
+            raise ValueError(f"{src.path.name}: {own[0]}'s definition does not start with '{keyword} {own[0]}'")
+        text = header.sub(f"{keyword} {own[1]}", text, count=1)
+        # Each decorator's node excludes its '@' and line; they precede the header, in order.
+        decorators = [src.segment(d, [s for s in spans if src.offsets(d)[0] <= s[0] < src.offsets(d)[1]])
+                      for d in node.decorator_list]
+        return "".join(f"@{d}\n" for d in decorators) + text
 
 
 def _locals(node: ast.AST) -> set[str]:

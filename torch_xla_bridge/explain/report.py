@@ -87,7 +87,9 @@ def predict(step: "Step") -> list[Prediction]:
     free, the cut materialized what it reads. Where dynamo split a compiled optimizer step
     into several graphs, whether that backend fuses them depends on the graphs
     (e.g. an optimizer's step counters kept on the CPU): that prediction is a
-    range, from all fused to all run as upstream runs them (each after the cut).
+    range, from all fused to all run as upstream runs them (each after the cut),
+    for ``openxla_fused_grad`` too (one dynamo graph that upstream splits around
+    CPU ops is one execution there, with what was pending when the step began).
     A read that executed nothing in the explained run is not seen: under
     ``openxla_fused_grad`` (whose backward leaves nothing pending) that
     prediction is only a lower bound, and says so. A run under
@@ -114,6 +116,8 @@ def predict(step: "Step") -> list[Prediction]:
             f"under {FUSED_GRAD} a read before the optimizer step executes nothing, so is not seen; "
             f"explain under openxla for an exact count",
         )
+    fused_grad_total = step.total - len(step.avoidable)
+    fused_grad = Prediction(FUSED_GRAD, fused_grad_total, fused_grad_total)
     graphs = [i for i, e in enumerate(before) if e.cause is Cause.OPTIMIZER]
     if len(graphs) > 1:
         # Unfused, each graph runs as upstream ran it here, with the input syncs between
@@ -121,13 +125,28 @@ def predict(step: "Step") -> list[Prediction]:
         upstream = sum(
             e.in_optimizer and e.cause in (Cause.OPTIMIZER, Cause.INPUT_SYNC) for e in before[graphs[0] :]
         )
+        # Upstream runs one dynamo graph with CPU ops (an optimizer's CPU step counts) as
+        # several executions around them, which both fused backends run as one; separate
+        # dynamo graphs (a graph break in the step) stay separate. A run cannot tell which.
+        why = f"the compiled optimizer step ran as {len(graphs)} graphs"
         fused_step = Prediction(
             FUSED_STEP, low, None if fused_step.high is None else low + upstream,
-            f"the compiled optimizer step ran as {len(graphs)} graphs, {low} if {FUSED_STEP} fuses them, "
-            f"{low + upstream} if it runs them unfused"
+            f"{why}, {low} if {FUSED_STEP} fuses them, {low + upstream} if it runs them unfused"
             + (f"; and {fused_step.estimate}" if fused_step.high is None else ""),
         )
-    return [Prediction(FUSED_GRAD, step.total - len(step.avoidable), step.total - len(step.avoidable)), fused_step]
+        # Fused there, the one graph also runs what was pending at the optimizer step's start
+        # (a lazily computed .grad) in its execution, as openxla_fused_step's cut does.
+        first = next(i for i, e in enumerate(before) if e.in_optimizer)
+        pieces = sum(
+            e.in_optimizer and not e.avoidable and e.cause in (Cause.OPTIMIZER, Cause.INPUT_SYNC)
+            for e in before[first:]
+        )
+        fused_grad = Prediction(
+            FUSED_GRAD, fused_grad_total - (pieces - 1), fused_grad_total,
+            f"{why}, {fused_grad_total - (pieces - 1)} if they are one dynamo graph split around CPU ops, "
+            f"{fused_grad_total} if they are separate graphs",
+        )
+    return [fused_grad, fused_step]
 
 
 def _predicted(step: "Step") -> str:
