@@ -157,6 +157,8 @@ else:
     # Lazy tensors: pending IR, counters.
     need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
+    # False inside torch_xla.compile(full_graph=True): any execution there raises.
+    execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
     tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
     # Embedding a lowered graph: placeholders, lowering, one user computation per call.

@@ -149,7 +149,9 @@ class DeferredGraph:
             else:
                 host = self._split.host_values(args) if self._split else None
                 outs, pending = lowered(args)
-                if new and self.validate and _mixed_float_dtypes(args):
+                # Inside torch_xla.compile(full_graph=True) even compiling on its own counts as an
+                # execution: the function's sync compiles the graph, and raises there.
+                if new and self.validate and _mixed_float_dtypes(args) and _private.execution_allowed():
                     self._validate(key, pending, args)
                 args.clear()
                 self.on_pending(pending)

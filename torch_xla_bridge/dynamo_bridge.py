@@ -38,7 +38,7 @@ import torch
 import torch_xla.runtime as xr
 
 from . import _private, grad_sync
-from .names import INPUT_SYNC_COUNTER
+from .names import INPUT_SYNC_COUNTER, STEP_BACKEND_NAME
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,16 @@ def _inputs_synced_first(compiled: Callable[[list], Any]) -> Callable[[list], An
     """
 
     def run_with_inputs_synced(args: list) -> Any:
+        if not _private.execution_allowed():
+            # Upstream's bridge executes the graph at every call (and once more to warm its cache
+            # at the first); torch_xla would stop that with "Unexpected execution happens inside
+            # the compiled function", naming neither cause nor fix. Nothing has run yet.
+            raise RuntimeError(
+                "this graph runs through torch_xla's dynamo bridge, which executes it at every call, and "
+                "torch_xla.compile(fn, full_graph=True) allows no execution inside fn. Compile the model with "
+                f"backend='{STEP_BACKEND_NAME}' (its step is one execution, run by torch_xla.compile's own "
+                "sync when fn returns), or call torch_xla.compile(fn) without full_graph=True."
+            )
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         # With torch_xla._dynamo.config.skip_input_data_check the user asked upstream not to
         # sync inputs at all (it then rejects a pending one): leave that to upstream too.

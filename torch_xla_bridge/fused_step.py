@@ -54,7 +54,15 @@ log = logging.getLogger(__name__)
 
 
 def end_step() -> None:
-    """Cuts the step: everything pending on the device runs as one execution (asynchronously)."""
+    """Cuts the step: everything pending on the device runs as one execution (asynchronously).
+
+    Inside ``torch_xla.compile(fn, full_graph=True)`` no execution is allowed
+    until ``fn`` returns, when torch_xla syncs: that sync is the cut, so this
+    one is left to it and the step stays pending (one execution per call of ``fn``).
+    """
+    if not _private.execution_allowed():
+        log.debug("inside torch_xla.compile(full_graph=True): the step is cut by its sync when the function returns")
+        return
     counting.bump(STEP_COUNTER)
     # The cut can come from inside a user's profiler trace (xp.Trace around the step):
     # keep its IR scope, as upstream's bridge never resets one.
