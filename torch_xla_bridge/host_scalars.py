@@ -86,7 +86,8 @@ def split(gm: torch.fx.GraphModule) -> Union[HostSplit, str, None]:
         if node in needed:
             continue
         needed.add(node)
-        if node.op != "placeholder" and not _on_cpu(node) and isinstance(_val(node), torch.Tensor):
+        # A device input counts too: ``t.cpu()`` of an argument needs an execution as much as of a result.
+        if not _on_cpu(node) and isinstance(_val(node), torch.Tensor):
             return f"it returns a CPU tensor computed from device values ({node.format_node()})"
         stack.extend(node.all_input_nodes)
     host = torch.fx.Graph()
