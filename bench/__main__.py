@@ -116,7 +116,7 @@ def add_ratios(results: list[dict]) -> None:
             continue
         b = base.get(_key(r))
         if b is not None:
-            for field in ("step_ms", "host_ms", "compile_s", "peak_rss_mb"):
+            for field in ("step_ms", "host_ms", "compile_s", "first_two_s", "peak_rss_mb"):
                 r[f"{field}_ratio"] = r[field] / b[field]
         study, workload, loop, micro = _key(r)
         lz = lazy.get(_key(r)) or lazy.get((study, workload, traced_equivalent(loop), micro))
@@ -152,7 +152,8 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gb']} GiB; PJRT_DEVICE={info['pjrt_device']}; "
         f"torch {info['torch']}, torch_xla {info['torch_xla']}, Python {info['python']}.",
         "",
-        "Each row is one process: executions, host time, first-step compile time and peak RSS are that "
+        "Each row is one process: executions, host time, first-step compile time, the first two steps' wall "
+        "time (time to first step, compiles included) and peak RSS are that "
         "configuration's alone. Step time: median (p25–p75) of synchronous steps after warm-up, "
         + ("measured in each configuration's own process (quick mode)." if quick else
            "measured with all modes of a row group built in one process and their blocks of steps "
@@ -162,20 +163,21 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
         "traced with the step) on the same workload.",
         "",
         "| workload | loop | mode | execs/step | step ms (p25–p75) | ratio | vs lazy | host ms | ratio | compile s "
-        "| ratio | peak RSS MB | ratio | vs lazy | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio | first 2 steps s | ratio | peak RSS MB | ratio | vs lazy | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         loop = r["loop"] + (f" x{r['micro']}" if r.get("micro") else "")
         if "error" in r:
-            lines.append(f"| {r['workload']} | {loop} | {r['mode']} | error: {r['error'][:80]} |" + " |" * 11)
+            lines.append(f"| {r['workload']} | {loop} | {r['mode']} | error: {r['error'][:80]} |" + " |" * 13)
             continue
         lines.append(
             f"| {r['workload']} | {loop} | {r['mode']} | {r['executions_per_step']} | "
             f"{r['step_ms']:.2f} ({r['step_p25_ms']:.2f}–{r['step_p75_ms']:.2f}) | {_fmt(r.get('step_ms_ratio'), '.3f')} | "
             f"{_fmt(r.get('step_ms_ratio_lazy'), '.3f')} | "
             f"{r['host_ms']:.2f} | {_fmt(r.get('host_ms_ratio'), '.3f')} | {r['compile_s']:.2f} | "
-            f"{_fmt(r.get('compile_s_ratio'), '.3f')} | {r['peak_rss_mb']:.0f} | {_fmt(r.get('peak_rss_mb_ratio'), '.3f')} | "
+            f"{_fmt(r.get('compile_s_ratio'), '.3f')} | {r['first_two_s']:.2f} | {_fmt(r.get('first_two_s_ratio'), '.3f')} | "
+            f"{r['peak_rss_mb']:.0f} | {_fmt(r.get('peak_rss_mb_ratio'), '.3f')} | "
             f"{_fmt(r.get('peak_rss_mb_ratio_lazy'), '.3f')} | {r['final_loss']:.5f} |"
         )
     fused = [r for r in results if r["mode"] == BACKEND_NAME and "callback_share" in r]
