@@ -52,13 +52,11 @@ OPTIMIZERS: dict[str, Factory] = {
 def train(name: str, backend: Optional[str], device: str = "xla", steps: int = 6) -> Record:
     """Trains a 3-layer MLP with ``OPTIMIZERS[name]``, model and optimizer step compiled with ``backend``."""
     r = Run(backend, device)
-    compiles = _compile_counter(r)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).to(r.device)
     opt, sched = OPTIMIZERS[name](list(model.parameters()))
     m, opt_step = r.compile(model), r.compile(opt.step)
-    losses, per_iteration_compiles = [], []
-    mark = compiles()
+    losses = []
     for i in range(steps):
         x = _data(i, 8, 16).to(r.device)
         opt.zero_grad(set_to_none=True)
@@ -69,19 +67,9 @@ def train(name: str, backend: Optional[str], device: str = "xla", steps: int = 6
             sched.step()
         losses.append(loss.item())
         r.end_iteration()
-        per_iteration_compiles.append(compiles() - mark)
-        mark = compiles()
     # Upstream's bridge warns for each CPU tensor it meets ("Found tensor ... on cpu").
     cpu_warnings = [str(w.message) for w in r.warnings if "on cpu" in str(w.message)]
-    return r.record({"model": model}, values=losses, compiles=per_iteration_compiles, cpu_warnings=cpu_warnings)
-
-
-def _compile_counter(r: Run) -> Callable[[], int]:
-    if not r.on_xla:
-        return lambda: 0
-    from xla_helpers import counter
-
-    return lambda: counter("UncachedCompile")
+    return r.record({"model": model}, values=losses, cpu_warnings=cpu_warnings)
 
 
 def main(argv: list[str]) -> None:

@@ -463,8 +463,15 @@ def test_the_docs_show_explain_samples():
 
 @pytest.mark.parametrize("doc, args, shown", _samples(), ids=[s[1] for s in _samples()])
 def test_doc_samples_are_the_tools_current_output(sample_output, doc, args, shown):
-    """What the docs show after `...` is the end of what the command prints now (graph hashes included:
-    torch_xla's hash of a graph is the same in every run of the same script)."""
+    """What the docs show after `...` is the end of what the command prints now, but for graph hashes:
+    torch_xla's hash of a graph is the same in every run of the same script on one machine, not across
+    machines (measured: every hash of the original-report sample differed between two 2-core Xeon
+    machines with the same packages), so a hash cell only has to be a hash."""
     pytest.importorskip("rich", reason="the samples are rich tables (the explain extra)")
     out = sample_output(args)
-    assert out[-len(shown):] == shown, f"{doc}: the sample for `{args}` is not the current output"
+    assert [_HASH_CELL.sub("│ <hash> │", line) for line in out[-len(shown):]] == [
+        _HASH_CELL.sub("│ <hash> │", line) for line in shown
+    ], f"{doc}: the sample for `{args}` is not the current output"
+
+
+_HASH_CELL = re.compile(r"│ [0-9a-f]{12} │")

@@ -236,12 +236,15 @@ def test_bridge_compile_sync_that_ran_a_pending_grad_is_gradient_accumulation():
 
 def test_events_round_trip_through_json():
     events = finished(
-        upstream_step() + lazy_iteration() + [ev.ManualSteps(), ev.StepMarked(), ev.Stopped(1)], raised=True
+        upstream_step() + lazy_iteration() + [ev.EqualLeaves([["wte", "head"]]), ev.ManualSteps(), ev.StepMarked(),
+                                               ev.Stopped(1)],
+        raised=True,
     )
     assert {type(e) for e in events} == set(ev.Event.__args__)  # every kind of event
     stored = json.loads(json.dumps(ev.to_dicts(events)))
     assert ev.from_dicts(stored) == events
     assert build(ev.from_dicts(stored)).to_dict() == build(events).to_dict()
+    assert build(events).to_dict()["equal_leaves"] == [["wte", "head"]]
 
 
 def test_incomplete_or_inconsistent_recordings_are_refused():

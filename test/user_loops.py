@@ -46,8 +46,10 @@ class Run:
         else:
             self.device = torch.device("cpu")
         self.per_iteration: list[int] = []
+        self.compiles_per_iteration: list[int] = []
         self.errors: list[str] = []
         self._mark = self.executions()
+        self._compiles_mark = self.compiles()
         self.caught = warnings.catch_warnings(record=True)
         self.warnings = self.caught.__enter__()
         warnings.simplefilter("always")
@@ -69,10 +71,21 @@ class Run:
 
         return executions()
 
+    def compiles(self) -> int:
+        """XLA compilations so far (torch_xla's ``UncachedCompile``)."""
+        if not self.on_xla:
+            return 0
+        from torch_xla_bridge.counting import counter
+
+        return counter("UncachedCompile")
+
     def end_iteration(self) -> None:
         now = self.executions()
         self.per_iteration.append(now - self._mark)
         self._mark = self.executions()
+        compiles = self.compiles()
+        self.compiles_per_iteration.append(compiles - self._compiles_mark)
+        self._compiles_mark = compiles
 
     def record(self, models: dict[str, nn.Module], values: Any, **extra: Any) -> Record:
         self.caught.__exit__(None, None, None)
@@ -80,7 +93,10 @@ class Run:
             f"{m}.{k}": v.detach().cpu().tolist() for m, model in models.items() for k, v in model.state_dict().items()
         }
         ours = [str(w.message) for w in self.warnings if "openxla_fused" in str(w.message)]
-        return dict(params=params, values=values, executions=self.per_iteration, warnings=ours, **extra)
+        return dict(
+            params=params, values=values, executions=self.per_iteration, compiles=self.compiles_per_iteration,
+            warnings=ours, **extra,
+        )
 
 
 def _data(seed: int, *shape: int) -> torch.Tensor:
@@ -316,6 +332,72 @@ def bad_input_then_continue(backend: Optional[str], device: str = "xla", steps: 
         opt.zero_grad()
         r.end_iteration()
     return r.record({"model": model}, values=values, errors=r.errors)
+
+
+class _TinyGPT(nn.Module):
+    """nanoGPT's shape at toy size: token and position embeddings, pre-norm blocks with causal
+    attention and a GELU MLP, a final norm, an LM head tied to the token embedding, and the loss
+    computed inside ``forward`` (so it is part of the compiled graph). The attention's input
+    projection has no bias (nanoGPT's ``bias=False``): the key bias's gradient is zero in exact
+    arithmetic, and AdamW turns its rounding noise into full-size updates that differ by device."""
+
+    def __init__(self, vocab: int = 48, block: int = 16, dim: int = 32, layers: int = 2, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(
+                ln_1=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim, bias=False), proj=nn.Linear(dim, dim),
+                ln_2=nn.LayerNorm(dim), fc=nn.Linear(dim, 4 * dim), out=nn.Linear(4 * dim, dim),
+            ))
+            for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied, as nanoGPT, GPT-2 and Llama ties them
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln_1"](x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](y.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["out"](F.gelu(blk["fc"](blk["ln_2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+@loop
+def nanogpt_shaped(backend: Optional[str], device: str = "xla", steps: int = 6) -> Record:
+    """karpathy/nanoGPT's train.py loop, written for CUDA: no sync anywhere, an eager AdamW whose lr is set
+    in ``param_groups`` every iteration, 2 micro-batches of gradient accumulation, ``clip_grad_norm_``,
+    ``zero_grad(set_to_none=True)``, ``loss.item()`` every iteration."""
+    r = Run(backend, device)
+    torch.manual_seed(7)
+    model = _TinyGPT().to(r.device)
+    # `.to` replaces each Parameter on its own and so unties them on XLA (nn.Module._apply):
+    # tie again, as the docs say, so that every device trains the same model.
+    model.wte.weight = model.lm_head.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    fwd = r.compile(model)
+    gen = torch.Generator().manual_seed(11)
+    losses = []
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * (i + 1) / steps  # warm-up, as nanoGPT's get_lr
+        for _ in range(2):
+            idx = torch.randint(0, 48, (4, 16), generator=gen)
+            _, loss = fwd(idx.to(r.device), idx.roll(-1, dims=1).to(r.device))
+            (loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        r.end_iteration()
+    return r.record({"model": model}, values=losses)
 
 
 def main(argv: list[str]) -> None:

@@ -10,6 +10,8 @@ modules listed after it):
   embedding, validation, fallback);
 - :mod:`.dynamo_bridge`: the upstream (unfused) path through torch_xla's
   bridge, with its SPMD handling;
+- :mod:`.optimizer_sync`: ``openxla_fused_grad``'s step barrier after an
+  eager optimizer step (no step grows into the next);
 - :mod:`.grad_sync`: the one sync, and the end-of-backward engine callback;
 - :mod:`.counting`, :mod:`._private`, :mod:`.names`: counting executions,
   private torch/torch_xla APIs, names and pins.
@@ -74,12 +76,12 @@ def openxla_fused_grad(
     upstream = _upstream_or_none(BACKEND_NAME, gm, example_inputs, **kwargs)
     if upstream is not None:
         return upstream
-    from . import deferred, dynamo_bridge, grad_sync, host_scalars
+    from . import deferred, dynamo_bridge, grad_sync, host_scalars, optimizer_sync
 
     def bw_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[[list], Any]:
         return deferred.DeferredGraph(
             bw_gm, bw_inputs, backend=BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
-            kind="backward", on_pending=grad_sync.sync_at_end_of_backward,
+            kind="backward", on_pending=optimizer_sync.backward_deferred,
             upstream_reason=deferred.backward_reason, unfused_effect=deferred.UNFUSED_BACKWARD,
         )
 

@@ -19,6 +19,8 @@ TORCH_XLA_INSTALL = f"pip install torch_xla=={TORCH_XLA_VERSION}"
 # torch_xla counters this package bumps (shown by metrics_report()):
 SYNC_COUNTER = "OpenxlaFusedGradSync"  # every end-of-backward sync of openxla_fused_grad
 STEP_COUNTER = "OpenxlaFusedStepSync"  # every step openxla_fused_step cuts
+# Every step barrier openxla_fused_grad makes after an eager optimizer step (optimizer_sync.py).
+OPTIMIZER_SYNC_COUNTER = "OpenxlaFusedGradOptimizerSync"
 # Every graph of openxla_fused_step that executes on its own: a forward after a read between
 # forward and cut, or a no-backward graph while no step is open.
 FORWARD_ALONE_COUNTER = "OpenxlaFusedStepForwardAlone"

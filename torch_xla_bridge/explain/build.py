@@ -24,12 +24,21 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from ..names import COMPILE_COUNTERS, FORWARD_ALONE_COUNTER, INPUT_SYNC_COUNTER, STEP_COUNTER, SYNC_COUNTER
+from ..names import (
+    COMPILE_COUNTERS,
+    FORWARD_ALONE_COUNTER,
+    INPUT_SYNC_COUNTER,
+    OPTIMIZER_SYNC_COUNTER,
+    STEP_COUNTER,
+    SYNC_COUNTER,
+)
 from . import events as ev
 from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 
 # The counters a report sums over the run (report.metrics, besides ExecuteTime).
-COUNTED = (INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, FORWARD_ALONE_COUNTER, *COMPILE_COUNTERS)
+COUNTED = (
+    INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, *COMPILE_COUNTERS
+)
 # Causes whose execution opens a new step when the current one is complete.
 _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
 
@@ -54,6 +63,12 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
                 Cause.MARK_STEP,
                 "openxla_fused_step cuts the step: everything pending (forward, backward, "
                 ".grad accumulation, optimizer) as one execution",
+            )
+        if signal(OPTIMIZER_SYNC_COUNTER):
+            return (
+                Cause.MARK_STEP,
+                "openxla_fused_grad ends the step after the eager optimizer step: its update, its state "
+                "and what ran on .grad since the backward, as one execution",
             )
         # Upstream's bridge syncs at the start of each compile; it has no counter for that.
         if call.in_upstream_bridge:
@@ -242,6 +257,9 @@ class ReportBuilder:
     def _on_BackwardEnded(self, e: ev.BackwardEnded) -> None:
         self._step.backward_passes += 1
         self._step.pending_grads += [n for n in e.pending_grads if n not in self._step.pending_grads]
+
+    def _on_EqualLeaves(self, e: ev.EqualLeaves) -> None:
+        self.report.equal_leaves = [list(g) for g in e.groups]
 
     def _on_ManualSteps(self, e: ev.ManualSteps) -> None:
         self._manual = True

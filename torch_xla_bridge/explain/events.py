@@ -51,7 +51,7 @@ class CallStarted:
 
     entry: str  # one of ENTRY_POINTS
     # Increments since the last look: the core bumps its signal counters
-    # (names.SYNC_COUNTER, STEP_COUNTER, INPUT_SYNC_COUNTER, FORWARD_ALONE_COUNTER)
+    # (names.SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, INPUT_SYNC_COUNTER, FORWARD_ALONE_COUNTER)
     # immediately before the call they announce.
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     in_backward: bool = False  # inside an autograd engine pass
@@ -101,6 +101,17 @@ class BackwardEnded:
 
 
 @dataclasses.dataclass
+class EqualLeaves:
+    """At the first backward: groups of leaves it feeds that are separate tensors with equal, non-constant values.
+
+    Weights tied on the CPU (an embedding and an LM head) that ``model.to(device)``
+    replaced one by one, so that they now train apart.
+    """
+
+    groups: list[list[str]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class ManualSteps:
     """The first ``Explainer.step()``: from here on only StepMarked ends a step."""
 
@@ -126,7 +137,7 @@ class Finished:
 
 
 Event = Union[
-    Gap, CallStarted, CallReturned, OptimizerStepped, BackwardStarted, BackwardEnded,
+    Gap, CallStarted, CallReturned, OptimizerStepped, BackwardStarted, BackwardEnded, EqualLeaves,
     ManualSteps, StepMarked, Stopped, Finished,
 ]
 _TYPES: dict[str, type] = {t.__name__: t for t in Event.__args__}  # type: ignore[attr-defined]

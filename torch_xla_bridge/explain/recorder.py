@@ -80,6 +80,32 @@ def _needs_materialization(tensors: Sequence[torch.Tensor]) -> list[bool]:
     return list(_private.need_materialization(list(tensors))) if tensors else []
 
 
+def _equal_leaves(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> list[list[str]]:
+    """Names of XLA leaves that are separate tensors holding equal, non-constant values, in groups.
+
+    Only leaves with a same-shaped, same-dtype twin are read, and only those
+    that hold device data: copying device data to the host is a transfer, not an
+    execution, so the report's counts stay exact (a pending leaf is skipped).
+    """
+    by_layout: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for leaf, name in zip(leaves, names):
+        if leaf.device.type == "xla" and leaf.numel() > 1:
+            by_layout.setdefault((tuple(leaf.shape), leaf.dtype), []).append((name, leaf))
+    groups = []
+    for same in by_layout.values():
+        if len(same) < 2:
+            continue
+        ready = [(n, t) for (n, t), p in zip(same, _needs_materialization([t for _, t in same])) if not p]
+        by_value: dict[bytes, list[str]] = {}
+        for name, t in ready:
+            host = t.detach().cpu()
+            if bool((host == host.flatten()[0]).all()):
+                continue  # a constant (LayerNorm's ones): equal by initialization, not by tying
+            by_value.setdefault(host.contiguous().view(torch.uint8).numpy().tobytes(), []).append(name)
+        groups += [g for g in by_value.values() if len(g) > 1]
+    return groups
+
+
 class Explainer:
     """Records events while active (a context manager): :attr:`events`, and :attr:`report` built from them.
 
@@ -121,6 +147,7 @@ class Explainer:
         self._backward_frame = ""
         self._originals: dict[str, Callable] = {}
         self._hook: Any = None
+        self._ties_checked = False
 
     # --- activation ---------------------------------------------------------------
 
@@ -213,6 +240,12 @@ class Explainer:
             leaves, compiled = backward_nodes(roots)
             self._emit(ev.BackwardStarted(self._backward_frame, compiled))
             self._stop_if_done()
+            if not self._ties_checked:
+                # Before the first update, while weights tied on the CPU and untied by .to() are still equal.
+                self._ties_checked = True
+                groups = _equal_leaves(leaves, self._names_of(leaves))
+                if groups:
+                    self._emit(ev.EqualLeaves(groups))
             if self._want_graph and self.graph is None:
                 self.graph = autograd_graph(roots, self.names)
             result = original(tensors, *args, **kwargs)
@@ -337,12 +370,17 @@ class Explainer:
         self._pending = [item for item, p in zip(alive, flags) if p]
         return [name for (name, _, _), p in zip(alive, flags) if not p]
 
-    def _after_backward(self, leaves: list[torch.Tensor]) -> list[str]:
-        """Watches the ``.grad`` the pass left pending; returns their leaves' names."""
+    def _names_of(self, leaves: list[torch.Tensor]) -> list[str]:
+        """Each leaf's name (looked up once per leaf)."""
         unknown = [leaf for leaf in leaves if leaf not in self._leaf_names]
         if unknown:
             for leaf, name in zip(unknown, leaf_names(unknown, self.names)):
                 self._leaf_names[leaf] = name
+        return [self._leaf_names[leaf] for leaf in leaves]
+
+    def _after_backward(self, leaves: list[torch.Tensor]) -> list[str]:
+        """Watches the ``.grad`` the pass left pending; returns their leaves' names."""
+        self._names_of(leaves)
         grads = [(self._leaf_names[l], l.grad) for l in leaves if l.grad is not None and l.grad.device.type == "xla"]
         flags = _needs_materialization([g for _, g in grads])
         pending = [(name, g) for (name, g), p in zip(grads, flags) if p]

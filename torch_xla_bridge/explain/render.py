@@ -48,6 +48,16 @@ def _pending_line(step: Step) -> Optional[str]:
     return f"pending IR left on .grad after backward: {n} lea{'f' if n == 1 else 'ves'} ({names})"
 
 
+def untied_line(group: list[str]) -> str:
+    """What a group of equal, separate leaves most likely is, and the fix that keeps them tied on XLA."""
+    return (
+        f"untied weights? {' and '.join(group)} hold equal values but are separate tensors, so they train "
+        f"apart: model.to(device) replaces each parameter on its own and unties weights tied on the CPU. "
+        f"Tie them again after the move (e.g. `model.lm_head.weight = model.wte.weight`), or call "
+        f"`torch.__future__.set_swap_module_params_on_conversion(True)` before it"
+    )
+
+
 def _footer(report: ExecutionReport) -> list[str]:
     m = report.metrics
     lines = [
@@ -57,6 +67,7 @@ def _footer(report: ExecutionReport) -> list[str]:
     ]
     if report.stopped_after is not None:
         lines.append(f"stopped after {report.stopped_after} steps")
+    lines += [untied_line(group) for group in report.equal_leaves]
     lines.append(f"verdict: {report.verdict()}")
     return lines
 

@@ -80,7 +80,9 @@ def predict(step: "Step") -> list[Prediction]:
     """What each fused backend would run for this step, derived from what it ran.
 
     ``openxla_fused_grad`` runs everything but the avoidable executions (its
-    forward and optimizer graphs run as upstream's). ``openxla_fused_step``
+    forward and optimizer graphs run as upstream's); after an eager optimizer
+    step it ends the step there, so reads after it and a ``torch_xla.sync()``
+    after it make that prediction a range. ``openxla_fused_step``
     runs the step as one execution (its cut), plus each read made before the
     optimizer step (or mark_step) ended, plus each forward such a read follows
     (it then executes that forward on its own); a read after the step ended is
@@ -118,6 +120,24 @@ def predict(step: "Step") -> list[Prediction]:
         )
     fused_grad_total = step.total - len(step.avoidable)
     fused_grad = Prediction(FUSED_GRAD, fused_grad_total, fused_grad_total)
+    eager_optimizer = step.optimizer_end is not None and not any(e.cause is Cause.OPTIMIZER for e in step.executions)
+    if eager_optimizer and not any(e.detail.startswith(FUSED_GRAD_SYNC) for e in step.executions):
+        # That backend ends the step at an eager optimizer step (one execution, in place of the
+        # input sync of the updated parameters at the next forward, or of a torch_xla.sync()
+        # right after). A read after it is free if it reads what was pending then; lazy work
+        # between it and a later torch_xla.sync() (an EMA) is one execution of its own.
+        after = step.executions[step.optimizer_end :]
+        # Without torch_xla's analysis a value read is an unattributed execution outside entry points.
+        reads_after = sum(e.cause in _READS or (e.cause is Cause.OTHER and not e.entry) for e in after)
+        sync_after = any(e.cause is Cause.MARK_STEP for e in after)
+        if reads_after or sync_after:
+            why = [f"{reads_after} read(s) after the eager optimizer step: free if what they read was pending "
+                   f"at its end, where {FUSED_GRAD} ends the step"] if reads_after else []
+            why += [f"lazy work between the optimizer step and torch_xla.sync() would be one execution more"] \
+                if sync_after else []
+            fused_grad = Prediction(
+                FUSED_GRAD, fused_grad_total - reads_after, fused_grad_total + sync_after, "; ".join(why)
+            )
     graphs = [i for i, e in enumerate(before) if e.cause is Cause.OPTIMIZER]
     if len(graphs) > 1:
         # Unfused, each graph runs as upstream ran it here, with the input syncs between
@@ -235,6 +255,9 @@ class ExecutionReport:
     metrics: dict[str, int] = dataclasses.field(default_factory=dict)
     analysis: bool = False  # torch_xla's execution analysis was read
     stopped_after: Optional[int] = None  # --steps N stopped the run
+    # Leaves of the first backward that are separate tensors with equal, non-constant values
+    # (weights tied on the CPU that model.to(device) untied), by group of names.
+    equal_leaves: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -282,6 +305,7 @@ class ExecutionReport:
             "metrics": dict(self.metrics),
             "analysis": self.analysis,
             "stopped_after": self.stopped_after,
+            "equal_leaves": [list(g) for g in self.equal_leaves],
             "verdict": self.verdict(),
             "steps": [s.to_dict() for s in self.steps],
         }
