@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
@@ -400,3 +401,49 @@ def test_compiled_adamw_is_one_execution_per_step():
     # Forward, backward with the accumulation, the optimizer as one execution of its own.
     assert [r.total for r in grad.steps[WARMUP:]] == [3] * 3
     assert [r.total for r in base.steps[WARMUP:]] == [7] * 3
+
+
+@pytest.mark.parametrize("marked_by", ["user", "graph"])
+def test_donated_input_updated_in_place_compiles_once(marked_by):
+    """An input marked for donation is donated at every call, as upstream's cached graph does: one compilation.
+
+    (pytorch/xla's test_manual_buffer_donation_for_inplce_op_repeat: the first call's
+    execution clears the mark, and a step keyed on it compiled a second time.)
+    """
+    def update(t: torch.Tensor) -> None:
+        if marked_by == "graph":
+            torch.ops.xla.dynamo_set_buffer_donor_(t, True)
+        t += 0.3 * torch.cos(t)
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 5)
+    t = x.to(device())
+    step = torch.compile(update, backend=FUSED_STEP)
+    torch_xla.sync()
+    if marked_by == "user":
+        assert torch_xla._XLAC._set_buffer_donation(t, True)
+    after_first = []
+    for _ in range(6):
+        step(t)
+        x += 0.3 * torch.cos(x)
+        after_first.append(counter("UncachedCompile"))
+    assert len(set(after_first)) == 1, after_first  # the first call compiled (or found) the only graph
+    assert not torch_xla._XLAC._get_buffer_donation(t)  # its buffer was donated; the new one is unmarked
+    torch.testing.assert_close(t.cpu(), x)
+
+
+def test_graph_outside_a_step_executes_its_pending_inputs_with_it():
+    """An inference graph whose inputs are pending: one execution, which also leaves the inputs materialized.
+
+    (Upstream syncs them first, in an execution of their own; pytorch/xla's test_simple_model.)
+    """
+    f = torch.compile(lambda a, b: a * b + b, backend=FUSED_STEP)
+    x, y = torch.randn(3), torch.randn(3)
+    xla_x, xla_y = x.to(device()), y.to(device())
+    f(xla_x, xla_y)  # warm-up: compiles
+    a, b = xla_x + xla_y, xla_y * 3  # pending
+    before = executions()
+    out = f(a, b)
+    assert executions() - before == 1
+    assert not any(pending([a, b, out]))
+    torch.testing.assert_close(out.cpu(), (x + y) * (y * 3) + y * 3)

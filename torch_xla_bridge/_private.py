@@ -161,6 +161,9 @@ else:
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
     tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
+    # A device buffer's donation flag (torch.ops.xla.dynamo_set_buffer_donor_ sets it).
+    get_buffer_donation: Callable[[torch.Tensor], bool] = _xla("_get_buffer_donation", _XLAC)
+    set_buffer_donation: Callable[[torch.Tensor, bool], bool] = _xla("_set_buffer_donation", _XLAC)
     # Embedding a lowered graph: placeholders, lowering, one user computation per call.
     user_computation: Callable[[str, list, Any], list] = _xla("_xla_user_computation", _XLAC)
     LoweringContext: type = _xla("lowering.LoweringContext", _XLAC)

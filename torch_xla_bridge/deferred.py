@@ -254,7 +254,11 @@ class DeferredGraph:
             sum(not isinstance(s, int) for s in sources),
             len(out_tensors),
         )
-        return _LoweredGraph(computation, tuple(sources), tuple(outputs), seed)
+        donors = tuple(
+            i for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.device.type == "xla" and _private.get_buffer_donation(a)
+        )
+        return _LoweredGraph(computation, tuple(sources), tuple(outputs), seed, donors)
 
     def _probe(self, args: Sequence[Any]) -> Optional[str]:
         """Traces the graph once on the real inputs; returns why it cannot be lowered, if so.
@@ -298,14 +302,24 @@ class _LoweredGraph:
     graph's non-tensor output itself (``None``, a Python number).
     ``seed``: for a graph that draws random numbers, the parameter that takes
     the device's RNG seed, and that device; fed a fresh seed on every call.
+    ``donors``: the runtime arguments whose buffers were marked for donation
+    when it was lowered (by the user, or by the graph's own
+    ``torch.ops.xla.dynamo_set_buffer_donor_``, which the lowered computation
+    never runs again); marked again on every call, as upstream's cached graph
+    donates them on every call. Otherwise the execution after the first, whose
+    donation cleared the mark, would key a second compilation on its absence.
     """
 
     computation: Any
     sources: tuple[Union[int, _Packed, torch.Tensor], ...]
     outputs: tuple[tuple[bool, Any], ...]
     seed: Optional[tuple[int, str]] = None
+    donors: tuple[int, ...] = ()
 
     def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+        for i in self.donors:
+            if not _private.get_buffer_donation(args[i]):
+                _private.set_buffer_donation(args[i], True)  # False, and no mark, for a pending tensor
         inputs = [args[s] if type(s) is int else s.value(args) if type(s) is _Packed else s for s in self.sources]
         if self.seed is not None:
             inputs[self.seed[0]] = _next_seed(self.seed[1])

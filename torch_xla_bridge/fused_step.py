@@ -247,11 +247,10 @@ def _end_step_then(pending: list[torch.Tensor]) -> None:
     end_step()
 
 
-def _join_step_or_sync(pending: list[torch.Tensor]) -> None:
-    """``on_pending`` of a no-backward graph that updates nothing: join an open step, else execute at once."""
-    if not _open:
-        counting.bump(FORWARD_ALONE_COUNTER)
-        grad_sync.sync(pending, fresh=True)
+def _pending_xla_inputs(args: Sequence[Any]) -> list[torch.Tensor]:
+    """The XLA tensors among ``args`` that hold pending IR."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+    return [t for t, p in zip(tensors, _private.need_materialization(tensors)) if p] if tensors else []
 
 
 def _compile_upstream_after_cut(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
@@ -316,12 +315,26 @@ def compilers() -> dict[str, deferred.Compiler]:
                       unfused_effect="the step is synced before it, and it executes on its own")
         if _updates_inputs():
             return DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
-        graph = DeferredGraph(gm, example_inputs, on_pending=_join_step_or_sync, **common)
+        # Outside a step: this call's pending inputs, executed with its outputs (as upstream
+        # syncs them before its graph, but in the same execution), so no later read recomputes them.
+        pending_inputs: list[torch.Tensor] = []
+
+        def join_step_or_sync(pending: list[torch.Tensor]) -> None:
+            """``on_pending``: join an open step, else execute the outputs and pending inputs at once."""
+            if not _open:
+                counting.bump(FORWARD_ALONE_COUNTER)
+                grad_sync.sync([*pending, *pending_inputs], fresh=True)
+
+        graph = DeferredGraph(gm, example_inputs, on_pending=join_step_or_sync, **common)
 
         def join_step(args: list) -> Any:
             if _in_training(args):
                 _current_step()
-            return graph(args)
+            pending_inputs[:] = [] if _open else _pending_xla_inputs(args)
+            try:
+                return graph(args)
+            finally:
+                pending_inputs.clear()
 
         return boxed(join_step)
 
