@@ -155,14 +155,12 @@ def test_upstream_grows_a_script_without_sync():
 
     2 x (forward, loss seed, backward) and the input sync of the eager update at the next
     forward; the optimizer state is no graph's input, so its pending IR grows one step per
-    iteration and every input sync compiles a new graph. Its last update, read tensor by
-    tensor after training, is off eager CPU (torch_xla after clip_grad_norm_; see
-    docs/design.md), while the losses it logged match.
+    iteration and every input sync compiles a new graph. The losses it logged match eager
+    CPU's. (Its last update, read tensor by tensor after training, was measured off eager
+    CPU here, see docs/design.md; not asserted: a defect of torch_xla's, not of this loop.)
     """
     rec = run_loop("nanogpt_shaped", UPSTREAM)
     ref = eager_cpu("nanogpt_shaped")
     assert rec["executions"][WARMUP:] == [7] * (len(rec["executions"]) - WARMUP)
     assert all(n >= 1 for n in rec["compiles"][COMPILE_WARMUP:]), rec["compiles"]
     torch.testing.assert_close(torch.tensor(rec["values"]), torch.tensor(ref["values"]), rtol=1e-5, atol=1e-6)
-    worst = max((torch.tensor(rec["params"][k]) - torch.tensor(v)).abs().max().item() for k, v in ref["params"].items())
-    assert worst > 1e-4, worst
