@@ -14,7 +14,7 @@ ALLOWED = {
         "counting", "_private", "names",
     },
     "fused_step": {"deferred", "dynamo_bridge", "grad_sync", "counting", "_private", "names"},
-    "deferred": {"host_scalars", "counting", "_private", "names"},
+    "deferred": {"grad_sync", "host_scalars", "counting", "_private", "names"},
     "dynamo_bridge": {"grad_sync", "_private", "names"},
     "optimizer_sync": {"grad_sync", "counting", "_private", "names"},
     "grad_sync": {"_private", "names"},

@@ -55,6 +55,9 @@ def _torch(path: str, obj: Any = torch) -> Any:
 AccumulateGrad: type = _torch("_C._functions.AccumulateGrad")
 current_graph_task_id: Callable[[], int] = _torch("_C._current_graph_task_id")
 current_autograd_node: Callable[[], Optional[torch.autograd.graph.Node]] = _torch("_C._current_autograd_node")
+# Inside a backward pass: whether the engine runs this node in it (an AccumulateGrad node
+# does not under torch.autograd.grad, nor for leaves left out of backward(inputs=...)).
+will_engine_execute_node: Callable[[torch.autograd.graph.Node], bool] = _torch("_C._will_engine_execute_node")
 queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
 
 
@@ -157,6 +160,8 @@ else:
     # Lazy tensors: pending IR, counters.
     need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
+    # The device-data leaves of tensors' pending IR (none: the IR is made of constants only).
+    device_data_nodes: Callable[[list], tuple] = _xla("_get_tensors_xla_device_data_node", _XLAC)
     # False inside torch_xla.compile(full_graph=True): any execution there raises.
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)

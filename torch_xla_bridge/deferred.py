@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting, host_scalars
+from . import _private, counting, grad_sync, host_scalars
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ class DeferredGraph:
                 if new and self.validate and _mixed_float_dtypes(args) and _private.execution_allowed():
                     self._validate(key, pending, args)
                 args.clear()
+                if self.kind == "backward":
+                    grad_sync.zero_fill_fresh_grads(outs)
                 self.on_pending(pending)
                 return self._split.merge(outs, host) if self._split else outs
         return self._run_upstream(args, reason)

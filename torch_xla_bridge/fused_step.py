@@ -35,6 +35,8 @@ materializes the forward's outputs and costs nothing twice: it is not such a rea
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -43,12 +45,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _private, counting, deferred, dynamo_bridge, grad_sync
 from .deferred import DeferredGraph
 from .dynamo_bridge import boxed
-from .names import FORWARD_ALONE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
+from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,12 @@ def end_step() -> None:
     # The cut can come from inside a user's profiler trace (xp.Trace around the step):
     # keep its IR scope, as upstream's bridge never resets one.
     torch_xla.sync(reset_scope=False)
+
+
+def _launches() -> int:
+    """Executions launched so far, less this backend's fresh-state syncs (see
+    :func:`_materialize_constant_state`), which read nothing of a step."""
+    return counting.launches() - counting.counter(FRESH_STATE_COUNTER)
 
 
 @dataclasses.dataclass
@@ -102,7 +110,7 @@ class _Pair:
 
     def forward_was_read(self) -> bool:
         """At the backward: an execution since the forward left some of its outputs pending."""
-        if self.launches_at_forward is None or counting.launches() == self.launches_at_forward:
+        if self.launches_at_forward is None or _launches() == self.launches_at_forward:
             return False
         alive = [t for t in (r() for r in self.forward_outputs) if t is not None]
         # A step cut materializes every live output; a read materializes only what it reads.
@@ -110,13 +118,13 @@ class _Pair:
 
     def at_step_end(self) -> None:
         """At the step's cut: the cut is one execution; any other since the backward was a read."""
-        if self.launches_at_backward is not None and counting.launches() - self.launches_at_backward > 1:
+        if self.launches_at_backward is not None and _launches() - self.launches_at_backward > 1:
             self.unfuse("a value was read (an XLA execution ran) between its backward and the end of the step")
         self.launches_at_backward = None
 
     def check_uncut_step(self) -> None:
         """At the next forward: the previous step ran, but was never cut (no step closure ran)."""
-        if self.launches_at_backward is not None and counting.launches() > self.launches_at_backward:
+        if self.launches_at_backward is not None and _launches() > self.launches_at_backward:
             self.unfuse(
                 "the step after its backward was executed by something other than torch_xla.sync() or a "
                 "graph of this backend (e.g. an optimizer compiled with another backend, or a read)"
@@ -139,7 +147,7 @@ class _Pair:
             grad_sync.sync(pending, fresh=True)
             return
         _current_step()
-        self.launches_at_forward = counting.launches()
+        self.launches_at_forward = _launches()
         self.forward_outputs = [weakref.ref(t) for t in pending]
 
     def before_backward(self) -> None:
@@ -151,7 +159,7 @@ class _Pair:
     def after_backward(self) -> None:
         """The step's first backward of this pair: watch for reads until the cut."""
         if self.unfused_reason is None and self.launches_at_backward is None:
-            self.launches_at_backward = counting.launches()
+            self.launches_at_backward = _launches()
             _current_step().pairs[id(self)] = self
 
 
@@ -202,14 +210,76 @@ def _cut_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
         end_step()
 
 
-_optimizer_hook: Optional[torch.utils.hooks.RemovableHandle] = None
+def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: an eager optimizer's first step in a step of this backend
+    finds its state created, as data.
+
+    The optimizer's own ``_init_group`` creates it (as dynamo does before it
+    traces a compiled step), so it is exactly what the step would create; its
+    constants are then materialized (:func:`_materialize_constant`), so the
+    first step's graph is the second's. A no-op while dynamo traces, with no
+    step of this backend pending, once every parameter with a gradient has
+    state, after the optimizer's first step in such a step (by identity, in
+    ``_state_created``), and for an optimizer without ``_init_group(group, *lists)``.
+    """
+    if torch.compiler.is_compiling() or not _open or optimizer in _state_created:
+        return
+    lists = _init_group_lists(type(optimizer))
+    if lists is None:
+        return
+    _state_created.add(optimizer)
+    fresh = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in optimizer.state]
+    if not fresh:
+        return
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            optimizer._init_group(group, *([] for _ in range(lists)))
+            if type(optimizer) is torch.optim.SGD:
+                _zero_momentum_buffers(optimizer, group)
+    state = [t for p in fresh for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    _materialize_constant(state)
+
+
+def _zero_momentum_buffers(optimizer: torch.optim.SGD, group: dict) -> None:
+    """Gives SGD's parameters a zero momentum buffer before its first step, where that changes no value.
+
+    SGD creates the buffer in its first step as a copy of the gradient, and
+    from the second on computes ``buf * momentum + (1 - dampening) * grad``, a
+    different graph. With dampening 0 the second formula on a zero buffer is
+    the copy, exactly (``0 * m + g == g``), so the first step computes it too.
+    """
+    if group["momentum"] == 0 or group["dampening"] != 0:
+        return
+    for p in group["params"]:
+        if p.grad is not None and "momentum_buffer" not in optimizer.state[p]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+# Optimizers whose state the pre-hook created (or found), by identity: it runs once per optimizer.
+_state_created: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+@functools.lru_cache(maxsize=None)
+def _init_group_lists(cls: type) -> Optional[int]:
+    """How many list arguments ``cls._init_group(group, *lists)`` takes (SGD 3, Adam 6); None without one."""
+    init = getattr(cls, "_init_group", None)
+    if init is None:
+        return None
+    params = list(inspect.signature(init).parameters.values())[2:]  # after self, group
+    if not params or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is not p.empty
+                         for p in params):
+        return None
+    return len(params)
+
+
+_optimizer_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
 
 def _register_optimizer_hook() -> None:
-    """Registers :func:`_cut_after_optimizer_step` once per process."""
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_post_hook(_cut_after_optimizer_step)
+    """Registers :func:`_create_state_before_first_step` and :func:`_cut_after_optimizer_step` once per process."""
+    if not _optimizer_hooks:
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(_create_state_before_first_step))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_cut_after_optimizer_step))
 
 
 def _pending_parameters(args: Sequence[Any]) -> bool:
@@ -228,18 +298,61 @@ def _in_training(args: Sequence[Any]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter) for a in args)
 
 
-def _updates_inputs() -> bool:
-    """While AOTAutograd compiles an inference graph: whether it writes into one of its inputs.
+def _updated_inputs() -> Optional[tuple[int, ...]]:
+    """While AOTAutograd compiles a graph: the positions of the inputs it writes into, None if unknown.
 
-    Such a graph is an optimizer step (it writes parameters and optimizer
-    state) or another update of state (a cache's ``index_copy_``), which ends
-    the step as upstream's execution would. Read from AOTAutograd's metadata
-    for the graph being compiled; where that is unavailable, assume it does.
+    Read from AOTAutograd's metadata for the graph being compiled.
     """
     meta = _private.aot_fw_metadata()
     if meta is None:
-        return True
-    return any(info.mutates_data for info in meta.input_info)
+        return None
+    return tuple(i for i, info in enumerate(meta.input_info) if info.mutates_data)
+
+
+def _updates_inputs(updated: Optional[tuple[int, ...]]) -> bool:
+    """Whether an inference graph writes into one of its inputs (where unknown, assume it does).
+
+    Such a graph is an optimizer step (it writes parameters and optimizer
+    state) or another update of state (a cache's ``index_copy_``), which ends
+    the step as upstream's execution would.
+    """
+    return updated is None or bool(updated)
+
+
+def _materialize_constant_state(args: Sequence[Any], updated: Optional[tuple[int, ...]]) -> None:
+    """Gives the inputs a graph writes into that are still constants buffers of their own, before it reads them.
+
+    State enters the first step as constant IR: buffers an optimizer just
+    created (zeros), a 0-d tensor moved to the device with value 0 or 1
+    (torch_xla's special scalars: BatchNorm's ``num_batches_tracked``). At
+    every later step it is device data, the previous step's output. Embedded
+    as constants, it made the first step's graph differ from the second's, so
+    the whole step compiled twice; materialized here (one small execution,
+    counted as FRESH_STATE_COUNTER, at the first step only), both trace one
+    graph. Inputs that are pending with data behind them are this step's work
+    and stay pending; constants that are not state (a fresh ``torch.zeros``
+    input every step) are never written by the graph and stay constants.
+    """
+    if updated:
+        _materialize_constant([args[i] for i in updated if i < len(args) and isinstance(args[i], torch.Tensor)])
+
+
+def _materialize_constant(tensors: Sequence[torch.Tensor]) -> None:
+    """Executes those of ``tensors`` whose pending IR is made of constants only, in one execution.
+
+    Not inside ``torch_xla.compile(full_graph=True)``, where no execution is
+    allowed (the graphs then differ between first and second step, as before).
+    """
+    xla = [t for t in tensors if t.device.type == "xla"]
+    if not xla or not _private.execution_allowed():
+        return
+    constants = [
+        t for t, pending in zip(xla, _private.need_materialization(xla))
+        if pending and not _private.device_data_nodes([t])[0]
+    ]
+    if constants:
+        counting.bump(FRESH_STATE_COUNTER)
+        grad_sync.sync(constants)
 
 
 def _end_step_then(pending: list[torch.Tensor]) -> None:
@@ -282,6 +395,7 @@ def compilers() -> dict[str, deferred.Compiler]:
     pair = _Pair()
 
     def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+        updated = _updated_inputs()
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
             on_pending=pair.forward_pending, validate=True,
@@ -290,6 +404,7 @@ def compilers() -> dict[str, deferred.Compiler]:
 
         def step_forward(args: list) -> Any:
             pair.before_forward(args)
+            _materialize_constant_state(args, updated)
             return graph(args)
 
         return boxed(step_forward)
@@ -313,8 +428,15 @@ def compilers() -> dict[str, deferred.Compiler]:
         common = dict(backend=STEP_BACKEND_NAME, kind="no-backward", validate=True,
                       upstream_compiler=_compile_upstream_after_cut,
                       unfused_effect="the step is synced before it, and it executes on its own")
-        if _updates_inputs():
-            return DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
+        updated = _updated_inputs()
+        if _updates_inputs(updated):
+            update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
+
+            def update_state(args: list) -> Any:
+                _materialize_constant_state(args, updated)
+                return update(args)
+
+            return boxed(update_state)
         # Outside a step: this call's pending inputs, executed with its outputs (as upstream
         # syncs them before its graph, but in the same execution), so no later read recomputes them.
         pending_inputs: list[torch.Tensor] = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch_xla.runtime as xr
@@ -147,6 +147,40 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
         _passes[task_id] = state
         _private.queue_engine_callback(state.end_of_backward)
     state.add(_private.current_autograd_node(), outputs)
+
+
+def zero_fill_fresh_grads(grads: Sequence[Any]) -> None:
+    """Gives each leaf about to get its first gradient a zero ``.grad``, so the engine adds into it.
+
+    Called by a deferred backward node while the engine runs it, before the
+    AccumulateGrad nodes it feeds: ``grads[i]`` goes to ``next_functions[i]``
+    (AOTAutograd's trailing token / RNG outputs have no edge). Why: the
+    engine stores a first gradient as it is, but adds later ones to the
+    zero fill ``zero_grad(set_to_none=False)`` leaves, so a fused backward
+    traced two graphs, compiled at the first and again at the second step.
+    ``torch.zeros_like`` is the IR ``zero_()`` leaves, so every step traces
+    the same graph. Values are unchanged (``0 + g == g``); a leaf that gets no
+    gradient keeps ``.grad`` None (an optimizer skips it), as does one whose
+    AccumulateGrad does not run (``torch.autograd.grad``, ``backward(inputs=...)``
+    without it). Left alone under ``create_graph=True``, where the engine adds
+    out of place, with history.
+    """
+    if torch.is_grad_enabled():
+        return
+    node = _private.current_autograd_node()
+    if node is None:
+        return
+    edges = node.next_functions
+    if len(grads) < len(edges):
+        return
+    for (fn, _), grad in zip(edges, grads):
+        if type(fn) is _private.AccumulateGrad and isinstance(grad, torch.Tensor) and fn.variable.grad is None:
+            try:
+                runs = _private.will_engine_execute_node(fn)
+            except RuntimeError:  # torch refuses to say for a leaf under torch.autograd.grad, which accumulates nothing
+                return
+            if runs:
+                fn.variable.grad = torch.zeros_like(fn.variable)
 
 
 def live_backward_passes() -> int:

@@ -24,6 +24,9 @@ OPTIMIZER_SYNC_COUNTER = "OpenxlaFusedGradOptimizerSync"
 # Every graph of openxla_fused_step that executes on its own: a forward after a read between
 # forward and cut, or a no-backward graph while no step is open.
 FORWARD_ALONE_COUNTER = "OpenxlaFusedStepForwardAlone"
+# Every execution of openxla_fused_step that gives state still held as constants (fresh optimizer
+# buffers, BatchNorm's 0-d counter) buffers of its own before the first step reads them.
+FRESH_STATE_COUNTER = "OpenxlaFusedStepFreshState"
 # Every compile that only validates a new lowering: it shows in UncachedCompile but launches nothing.
 VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 

@@ -54,6 +54,19 @@ NEW_MODULES: dict[str, tuple[str, Optional[str]]] = {
     "torch_xla/_dynamo/grad_sync.py": ("grad_sync.py", None),
     "torch_xla/_dynamo/deferred_backward.py": ("deferred.py", "glue/deferred_backward.py"),
 }
+
+
+def _new_module_imports() -> dict[str, str]:
+    """``from . import m`` of a package module the series adds, as upstream imports it."""
+    imports = {}
+    for path, (source, _) in NEW_MODULES.items():
+        package, _, module = path[:-len(".py")].replace("/", ".").rpartition(".")
+        name = source[:-len(".py")]
+        imports[name] = f"from {package} import {module}" + (f" as {name}" if module != name else "")
+    return imports
+
+
+_NEW_MODULE_IMPORTS = _new_module_imports()
 # Package modules whose uses (``_private.x``, ``counting.f``) are inlined: a plain binding of
 # a torch / torch_xla attribute becomes that attribute, anything else is copied in (with
 # what it needs from its module) under a private name.
@@ -571,8 +584,10 @@ def upstream_module(source: str, glue: Optional[str] = None) -> str:
         if isinstance(stmt, ast.ImportFrom) and stmt.level:
             if stmt.module == "names":
                 text = "\n".join(writer.constant(a.name) for a in stmt.names)
-            elif stmt.module is None and all(a.name in INLINED_MODULES for a in stmt.names):
-                text = ""
+            elif stmt.module is None and all(a.name in INLINED_MODULES or a.name in _NEW_MODULE_IMPORTS
+                                             for a in stmt.names):
+                # Inlined modules vanish; the series' other new modules are imported from torch_xla._dynamo.
+                text = "\n".join(_NEW_MODULE_IMPORTS[a.name] for a in stmt.names if a.name in _NEW_MODULE_IMPORTS)
             else:
                 raise ValueError(f"{source}: `from {'.' * stmt.level}{stmt.module or ''} import ...`: "
                                  f"upstream has no such module; inline it or change the import")

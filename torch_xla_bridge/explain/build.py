@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Sequence
 from ..names import (
     COMPILE_COUNTERS,
     FORWARD_ALONE_COUNTER,
+    FRESH_STATE_COUNTER,
     INPUT_SYNC_COUNTER,
     OPTIMIZER_SYNC_COUNTER,
     STEP_COUNTER,
@@ -37,7 +38,8 @@ from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 
 # The counters a report sums over the run (report.metrics, besides ExecuteTime).
 COUNTED = (
-    INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, *COMPILE_COUNTERS
+    INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER,
+    *COMPILE_COUNTERS
 )
 # Causes whose execution opens a new step when the current one is complete.
 _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
@@ -79,6 +81,12 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
             Cause.BACKWARD,
             f"{FUSED_GRAD_SYNC}: {call.synced} tensors, one sync at "
             "the end of the backward pass (openxla_fused_grad)",
+        )
+    if signal(FRESH_STATE_COUNTER):
+        return (
+            Cause.OTHER,
+            "openxla_fused_step materializes state still held as constants (new optimizer buffers, "
+            "BatchNorm's counter), once, so the first step compiles the graph later steps reuse",
         )
     if signal(FORWARD_ALONE_COUNTER):
         return Cause.FORWARD, "forward executed on its own (openxla_fused_step unfused this graph after a value read)"
