@@ -33,6 +33,8 @@ def _run_one(script: str, mode: str) -> dict:
 
     import torch_xla.core.xla_model as xm
 
+    from torch_xla_bridge import counting
+
     if script == "nanogpt_shaped":
         import user_loops
 
@@ -48,7 +50,8 @@ def _run_one(script: str, mode: str) -> dict:
     t0 = time.perf_counter()
     run()
     xm.wait_device_ops()
-    return {"script": script, "mode": mode, "first_two_s": time.perf_counter() - t0}
+    return {"script": script, "mode": mode, "first_two_s": time.perf_counter() - t0,
+            "compiles": counting.counter("UncachedCompile")}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -69,10 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
     base = {r["script"]: r["first_two_s"] for r in rows if r["mode"] == MODES[0]}
-    print("| script | mode | first 2 steps s | ratio |\n|---|---|---|---|")
+    print("| script | mode | first 2 steps s | ratio | XLA compiles |\n|---|---|---|---|---|")
     for r in rows:
         r["ratio"] = r["first_two_s"] / base[r["script"]]
-        print(f"| {r['script']} | {r['mode']} | {r['first_two_s']:.2f} | {r['ratio']:.2f} |")
+        print(f"| {r['script']} | {r['mode']} | {r['first_two_s']:.2f} | {r['ratio']:.2f} | {r['compiles']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows
