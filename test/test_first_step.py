@@ -80,17 +80,33 @@ def test_backward_inputs_and_autograd_grad_write_no_other_grad(backend):
     torch.testing.assert_close(gb.cpu(), torch.full((2,), 3.0))
 
 
-def test_a_grad_the_user_holds_is_the_one_accumulated_into():
-    # After zero_grad(set_to_none=False) the engine adds into the existing tensor, fused or not.
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_a_grad_the_user_holds_is_the_one_updated(backend):
+    # After zero_grad(set_to_none=False) the engine adds into the existing tensor; fused, the
+    # zero-filled .grad is set aside during the pass and takes the gradient at its end.
     model = WithUnusedParameter().to(device())
     x = torch.randn(3, 4).to(device())
-    fwd = torch.compile(lambda x: model(x).sum(), backend=FUSED)
+    fwd = torch.compile(lambda x: model(x).sum(), backend=backend)
     fwd(x).backward()
     held = model.used.weight.grad
     model.zero_grad(set_to_none=False)
     fwd(x).backward()
     assert model.used.weight.grad is held
     torch.testing.assert_close(held.cpu(), x.cpu().sum(0).expand(2, 4))
+    # Not a zero fill (a second backward without zero_grad): added to, as always.
+    fwd(x).backward()
+    assert model.used.weight.grad is held
+    torch.testing.assert_close(held.cpu(), 2 * x.cpu().sum(0).expand(2, 4))
+
+
+def test_a_grad_filled_with_another_constant_is_added_to():
+    model = WithUnusedParameter().to(device())
+    x = torch.randn(3, 4).to(device())
+    fwd = torch.compile(lambda x: model(x).sum(), backend=FUSED)
+    fwd(x).backward()
+    model.used.weight.grad.fill_(1.0)
+    fwd(x).backward()
+    torch.testing.assert_close(model.used.weight.grad.cpu(), 1.0 + x.cpu().sum(0).expand(2, 4))
 
 
 class NormNet(nn.Module):

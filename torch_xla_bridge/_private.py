@@ -162,6 +162,7 @@ else:
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
     # The device-data leaves of tensors' pending IR (none: the IR is made of constants only).
     device_data_nodes: Callable[[list], tuple] = _xla("_get_tensors_xla_device_data_node", _XLAC)
+    graph_hash: Callable[[list], bytes] = _xla("_get_graph_hash", _XLAC)
     # False inside torch_xla.compile(full_graph=True): any execution there raises.
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)

@@ -155,7 +155,7 @@ class DeferredGraph:
                     self._validate(key, pending, args)
                 args.clear()
                 if self.kind == "backward":
-                    grad_sync.zero_fill_fresh_grads(outs)
+                    grad_sync.store_like_a_first_gradient(outs)
                 self.on_pending(pending)
                 return self._split.merge(outs, host) if self._split else outs
         return self._run_upstream(args, reason)

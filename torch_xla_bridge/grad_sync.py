@@ -23,6 +23,7 @@ sync (:func:`keep_param_shardings`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any, Optional, Sequence
@@ -149,21 +150,23 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
     state.add(_private.current_autograd_node(), outputs)
 
 
-def zero_fill_fresh_grads(grads: Sequence[Any]) -> None:
-    """Gives each leaf about to get its first gradient a zero ``.grad``, so the engine adds into it.
+def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
+    """Makes the engine store each gradient into a zero-filled ``.grad`` as it stores a first one.
 
     Called by a deferred backward node while the engine runs it, before the
     AccumulateGrad nodes it feeds: ``grads[i]`` goes to ``next_functions[i]``
-    (AOTAutograd's trailing token / RNG outputs have no edge). Why: the
-    engine stores a first gradient as it is, but adds later ones to the
-    zero fill ``zero_grad(set_to_none=False)`` leaves, so a fused backward
-    traced two graphs, compiled at the first and again at the second step.
-    ``torch.zeros_like`` is the IR ``zero_()`` leaves, so every step traces
-    the same graph. Values are unchanged (``0 + g == g``); a leaf that gets no
-    gradient keeps ``.grad`` None (an optimizer skips it), as does one whose
-    AccumulateGrad does not run (``torch.autograd.grad``, ``backward(inputs=...)``
-    without it). Left alone under ``create_graph=True``, where the engine adds
-    out of place, with history.
+    (AOTAutograd's trailing token / RNG outputs have no edge). Why: the engine
+    stores a leaf's first gradient as it is (``.grad = g``) but adds later ones
+    to the zero fill ``zero_grad(set_to_none=False)`` leaves (``0 + g``), two
+    different graphs, so a fused backward compiled at the first and again at
+    the second step. A ``.grad`` whose pending IR is exactly that zero fill is
+    set aside (``.grad = None``) so the engine stores ``g``; at the end of the
+    pass the held tensor takes ``g``'s value (a lazy ``copy_``) and is
+    ``.grad`` again, so a user holding it sees it updated, as after an add.
+    Values are unchanged (``0 + g == g``). Loops with ``set_to_none=True`` pay
+    one ``is None`` per leaf; leaves whose AccumulateGrad does not run
+    (``torch.autograd.grad``, ``backward(inputs=...)``) and passes with
+    ``create_graph=True`` are left alone.
     """
     if torch.is_grad_enabled():
         return
@@ -173,14 +176,56 @@ def zero_fill_fresh_grads(grads: Sequence[Any]) -> None:
     edges = node.next_functions
     if len(grads) < len(edges):
         return
-    for (fn, _), grad in zip(edges, grads):
-        if type(fn) is _private.AccumulateGrad and isinstance(grad, torch.Tensor) and fn.variable.grad is None:
-            try:
-                runs = _private.will_engine_execute_node(fn)
-            except RuntimeError:  # torch refuses to say for a leaf under torch.autograd.grad, which accumulates nothing
-                return
-            if runs:
-                fn.variable.grad = torch.zeros_like(fn.variable)
+    filled = [
+        fn for (fn, _), grad in zip(edges, grads)
+        if type(fn) is _private.AccumulateGrad and isinstance(grad, torch.Tensor) and fn.variable.grad is not None
+    ]
+    if not filled:
+        return
+    held = [fn.variable.grad for fn in filled]
+    pending = _private.need_materialization(held)
+    set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for fn, grad, is_pending in zip(filled, held, pending):
+        if not (is_pending and _is_zero_fill(grad)):
+            continue
+        try:
+            runs = _private.will_engine_execute_node(fn)
+        except RuntimeError:  # torch refuses to say for a leaf under torch.autograd.grad, which accumulates nothing
+            return
+        if runs:
+            fn.variable.grad = None
+            set_aside.append((fn.variable, grad))
+    if set_aside:
+        _private.queue_engine_callback(lambda: _give_back(set_aside))
+
+
+def _give_back(set_aside: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Engine callback: each held ``.grad`` takes the gradient the engine stored, and is ``.grad`` again.
+
+    Queued before the end-of-backward sync's callback of the same pass (if
+    any), which then materializes the held tensor. A ``.grad`` a hook cleared
+    stays None.
+    """
+    with torch.no_grad():
+        for leaf, held in set_aside:
+            stored = leaf.grad
+            if stored is not None and stored is not held:
+                # A lazy copy takes the source's IR: the graph stays the first step's.
+                held.copy_(stored)
+                leaf.grad = held
+
+
+def _is_zero_fill(grad: torch.Tensor) -> bool:
+    """``grad``'s pending IR is the zero fill ``zero_()`` leaves (constants only, and the same graph)."""
+    if _private.device_data_nodes([grad])[0]:
+        return False
+    return _private.graph_hash([grad]) == _zero_fill_hash(tuple(grad.shape), grad.dtype, str(grad.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_fill_hash(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> bytes:
+    """The graph hash of ``zero_()`` on a tensor of this shape, dtype and device (a cache by that key)."""
+    return _private.graph_hash([torch.zeros(shape, dtype=dtype, device=device)])
 
 
 def live_backward_passes() -> int:
