@@ -19,6 +19,8 @@ reports it, naming the install command.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -59,6 +61,39 @@ current_autograd_node: Callable[[], Optional[torch.autograd.graph.Node]] = _torc
 # does not under torch.autograd.grad, nor for leaves left out of backward(inputs=...)).
 will_engine_execute_node: Callable[[torch.autograd.graph.Node], bool] = _torch("_C._will_engine_execute_node")
 queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
+
+
+# --- torch: optimizers ----------------------------------------------------------
+
+_torch("optim.SGD._init_group")
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Creates ``optimizer``'s state for its parameters with a gradient, as its first step would.
+
+    Calls its ``_init_group(group, *lists)`` per group with fresh lists, as
+    dynamo does before tracing a compiled optimizer step. False (nothing done)
+    for an optimizer without one of that form.
+    """
+    lists = _init_group_lists(type(optimizer))
+    if lists is None:
+        return False
+    for group in optimizer.param_groups:
+        optimizer._init_group(group, *([] for _ in range(lists)))
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _init_group_lists(cls: type) -> Optional[int]:
+    """How many list arguments ``cls._init_group(group, *lists)`` takes (SGD 3, Adam 6); None without one."""
+    init = getattr(cls, "_init_group", None)
+    if init is None:
+        return None
+    params = list(inspect.signature(init).parameters.values())[2:]  # after self, group
+    if not params or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is not p.empty
+                         for p in params):
+        return None
+    return len(params)
 
 
 # --- torch: dynamo and AOTAutograd ----------------------------------------------

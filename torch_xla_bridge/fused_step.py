@@ -35,8 +35,6 @@ materializes the forward's outputs and costs nothing twice: it is not such a rea
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import warnings
 import weakref
@@ -224,17 +222,15 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
     """
     if torch.compiler.is_compiling() or not _open or optimizer in _state_created:
         return
-    lists = _init_group_lists(type(optimizer))
-    if lists is None:
-        return
     _state_created.add(optimizer)
     fresh = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in optimizer.state]
     if not fresh:
         return
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            optimizer._init_group(group, *([] for _ in range(lists)))
-            if type(optimizer) is torch.optim.SGD:
+        if not _private.init_optimizer_state(optimizer):
+            return
+        if type(optimizer) is torch.optim.SGD:
+            for group in optimizer.param_groups:
                 _zero_momentum_buffers(optimizer, group)
     state = [t for p in fresh for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
     _materialize_constant(state)
@@ -257,19 +253,6 @@ def _zero_momentum_buffers(optimizer: torch.optim.SGD, group: dict) -> None:
 
 # Optimizers whose state the pre-hook created (or found), by identity: it runs once per optimizer.
 _state_created: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-@functools.lru_cache(maxsize=None)
-def _init_group_lists(cls: type) -> Optional[int]:
-    """How many list arguments ``cls._init_group(group, *lists)`` takes (SGD 3, Adam 6); None without one."""
-    init = getattr(cls, "_init_group", None)
-    if init is None:
-        return None
-    params = list(inspect.signature(init).parameters.values())[2:]  # after self, group
-    if not params or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is not p.empty
-                         for p in params):
-        return None
-    return len(params)
 
 
 _optimizer_hooks: list[torch.utils.hooks.RemovableHandle] = []
