@@ -10,6 +10,7 @@ from torch_xla_bridge.deferred import DeferredGraph
 from xla_helpers import (
     FUSED,
     FUSED_STEP,
+    UPSTREAM,
     assert_grads_match,
     cpu_and_xla_copy,
     device,
@@ -217,3 +218,35 @@ def test_compiled_autograd_says_the_backward_is_not_fused(backend):
     assert len(ours) == 1 and "compiled autograd is enabled" in ours[0], ours
     cpu_model(x).square().sum().backward()
     assert_grads_match(model, cpu_model, scale=2)  # two backward passes accumulated against one
+
+
+def _mul_foobar_mul(t: torch.Tensor) -> torch.Tensor:
+    # aten::_foobar has no XLA lowering (torch's op for testing): it runs through the CPU fallback.
+    return torch.mul(torch._foobar(torch.mul(t, 2)), 2)
+
+
+def _executions_of_two_calls(backend: str, t: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    torch._dynamo.reset()
+    compiled = torch.compile(_mul_foobar_mul, backend=backend)
+    counts, results = [], []
+    for _ in range(2):
+        before = executions()
+        results.append(compiled(t).cpu())
+        counts.append(executions() - before)
+    return counts, results
+
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_graph_with_cpu_fallback_op_executes_as_upstream(backend):
+    """The probe that finds the fallback op hands its nodes to upstream's partitioner, which would run the graph again."""
+    t = torch.randn(7)
+    _executions_of_two_calls(UPSTREAM, t.to(device()))  # the first fallback in a process executes once more
+    upstream_counts, _ = _executions_of_two_calls(UPSTREAM, t.to(device()))
+    with recorded_warnings() as caught:
+        ours, results = _executions_of_two_calls(backend, t.to(device()))
+    assert ours == upstream_counts, (ours, upstream_counts)
+    # openxla_fused_grad runs graphs without a backward as upstream does: nothing unfused to tell.
+    said = [m for m in messages_naming(caught, backend) if "CPU fallback): aten::_foobar" in m]
+    assert len(said) == (backend == FUSED_STEP), said
+    for r in results:
+        torch.testing.assert_close(r, _mul_foobar_mul(t))

@@ -19,6 +19,7 @@ reports it, naming the install command.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -181,6 +182,7 @@ except ImportError as e:  # registration works without it; see backend.require_t
     TORCH_XLA_IMPORT_ERROR: Optional[ImportError] = e
 else:
     TORCH_XLA_IMPORT_ERROR = None
+    import torch_xla._dynamo.dynamo_bridge as _upstream_bridge
     import torch_xla.core.xla_builder as _xb
     import torch_xla.core.xla_model as _xm
     import torch_xla.experimental.eager as _eager
@@ -220,6 +222,9 @@ else:
     op_sharding: Callable[[torch.Tensor], Any] = _xla("_get_xla_op_sharding", _XLAC)
     mark_sharding: Callable[[torch.Tensor, Any], None] = _xla("_xla_mark_sharding", _XLAC)
     _xla("skip_input_data_check", dynamo_config)
+    # Upstream's CPU-fallback partitioner looks its node collector up in its module per call.
+    _xla("_dynamo.dynamo_bridge.partition_fx_graph_for_cpu_fallback")
+    _xla("UnsupportedNodesCollector", _upstream_bridge)
 
     def advance_rng_seed(device: str) -> None:
         """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).
@@ -227,3 +232,27 @@ else:
         The formula is the lazy graph executor's (C++, not exposed to Python).
         """
         _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)
+
+
+@contextlib.contextmanager
+def upstream_unsupported_nodes(names: frozenset[str]) -> Iterator[None]:
+    """Upstream's CPU-fallback partitioner takes the nodes named ``names`` as unsupported, without running the graph.
+
+    Its collector finds them by running the graph node by node, which
+    executes each fallback op's pending input; a caller that has run
+    the graph already and knows the nodes saves that execution.
+    """
+    collector = _upstream_bridge.UnsupportedNodesCollector
+
+    class KnownNodes(collector):  # type: ignore[misc, valid-type]
+        def run(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def get_unsupported_nodes(self) -> list[torch.fx.Node]:
+            return [n for n in self.module.graph.nodes if n.name in names]
+
+    _upstream_bridge.UnsupportedNodesCollector = KnownNodes
+    try:
+        yield
+    finally:
+        _upstream_bridge.UnsupportedNodesCollector = collector

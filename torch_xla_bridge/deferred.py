@@ -121,6 +121,9 @@ class DeferredGraph:
         # probe runs once per signature, not once per call).
         self._lowered: dict[_Signature, Union[_LoweredGraph, str]] = {}
         self._upstream: Optional[Callable[[list], Any]] = None
+        # The nodes the probe found running through the CPU fallback, by name, for
+        # upstream's partitioner to take instead of running the graph again to find them.
+        self._fallback_nodes: Optional[frozenset[str]] = None
         # A graph with CPU outputs (a compiled optimizer's step counts): those come from the host.
         split = host_scalars.split(gm)
         self._split = split if isinstance(split, host_scalars.HostSplit) else None
@@ -200,6 +203,11 @@ class DeferredGraph:
             # Upstream's bridge partitions the graph module in place; keep ours
             # pristine for lowering later calls (e.g. after one create_graph=True pass).
             self._upstream = self.upstream_compiler(copy.deepcopy(self.gm), self.example_inputs)
+        if self._fallback_nodes is not None:
+            # Its first call partitions the graph (upstream compiles on first call).
+            known, self._fallback_nodes = self._fallback_nodes, None
+            with _private.upstream_unsupported_nodes(known):
+                return self._upstream(args)
         return self._upstream(args)
 
     def _lower(self, args: Sequence[Any]) -> Union[_LoweredGraph, str]:
@@ -284,6 +292,7 @@ class DeferredGraph:
         del outs
         fallbacks = sorted(op for op, n in counting.fallback_counts().items() if n > fallbacks_before.get(op, 0))
         if fallbacks:
+            self._fallback_nodes = _nodes_running(self.gm, fallbacks)
             return f"it contains ops without an XLA lowering (CPU fallback): {', '.join(fallbacks)}"
         if counting.executions(wait=False) != executions_before:
             return "it reads tensor values on the host while tracing"
@@ -291,6 +300,19 @@ class DeferredGraph:
         if non_xla:
             return f"it produces a tensor on {non_xla[0].device}"
         return None
+
+
+def _nodes_running(gm: torch.fx.GraphModule, ops: Sequence[str]) -> Optional[frozenset[str]]:
+    """The names of ``gm``'s nodes that call one of ``ops`` (``aten::name``); None unless each op has one.
+
+    An op that ran through the fallback without a node of its own (called
+    by another op's lowering) leaves the nodes to upstream's collector.
+    """
+    found = {
+        n.name: n.target.name() for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.name() in ops
+    }
+    return frozenset(found) if set(found.values()) == set(ops) else None
 
 
 @dataclasses.dataclass(frozen=True)

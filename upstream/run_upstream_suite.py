@@ -367,10 +367,7 @@ EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {
 # Failures of defects not fixed yet (keys as above), allowed by --check; --check reports
 # those that pass, so that they are removed.
 KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {
-    (_STEP, "test_dynamo.py", "__main__.DynamoCpuFallbackTest.test_fallback_multiple_submodules"):
-        "ExecuteTime 6 != 5: one execution more than upstream for a graph with a CPU-fallback op: the fused step's "
-        "probe (a lazy trace on the real inputs, which finds the fallback) executes the op's input once, then the "
-        "graph runs through upstream's bridge, whose partitioner executes it again to find the same op",
+    # None at present: a defect found is listed here, with its cause, until fixed.
 }
 
 
