@@ -146,24 +146,30 @@ def train_as_scripts_do(backend, dev, compiled_optimizer: bool, optimizer: str =
     after = []
     for x, y in data:
         opt.zero_grad(set_to_none=False)
-        fwd(x, y).backward()
+        # Held through the step, as scripts hold it to log it: a pending output of the step
+        # at the cut, whose place among the outputs (by tensor id) must not move at step 2.
+        loss = fwd(x, y)
+        loss.backward()
         step()
         if dev.type == "xla":
             xm.mark_step()
             after.append((executions(), counter("UncachedCompile")))
+        loss.item()  # logged, as scripts do (after the cut: a transfer, no execution)
     return model, after
 
 
 @pytest.mark.parametrize(
     "optimizer,compiled_optimizer",
-    [("adamw", True), ("adamw", False), ("momentum", False), ("dampened", False)],
-    ids=["compiled_adamw", "eager_adamw", "eager_sgd_momentum", "eager_sgd_dampened"],
+    [("adamw", True), ("adamw", False), ("momentum", False), ("dampened", False), ("momentum", True), ("dampened", True)],
+    ids=["compiled_adamw", "eager_adamw", "eager_sgd_momentum", "eager_sgd_dampened", "compiled_sgd_momentum",
+         "compiled_sgd_dampened"],
 )
 def test_fused_step_batchnorm_and_fresh_optimizer_state_compile_once(optimizer, compiled_optimizer):
     # BatchNorm's num_batches_tracked enters the first step as a torch_xla constant (a 0-d 0
     # moved to the device). A compiled AdamW's buffers are created (zeros) when dynamo traces
     # it, an eager AdamW's by its own _init_group, called by the backend right before its first
-    # step; an eager SGD gets zero momentum buffers, which change no value with dampening 0.
+    # step; an SGD gets zero momentum buffers (a compiled one while dynamo traces its first
+    # step), which change no value with dampening 0.
     # All are materialized before the first step, which then compiles the program every
     # later step reuses. A dampened SGD's first step is another computation: left alone.
     fresh = counter(names.FRESH_STATE_COUNTER)

@@ -64,6 +64,30 @@ will_engine_execute_node: Callable[[torch.autograd.graph.Node], bool] = _torch("
 queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
 
 
+# --- torch: functionalization (torch_xla's tensors are functional wrappers) --------
+
+_is_functional: Callable[[torch.Tensor], bool] = _torch("_is_functional_tensor")
+_from_functional: Callable[[torch.Tensor], torch.Tensor] = _torch("_from_functional_tensor")
+_functionalize_replace: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_functionalize_replace")
+_functionalize_commit_update: Callable[[torch.Tensor], None] = _torch("_functionalize_commit_update")
+
+
+def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` takes ``src``'s value as its own: the same device tensor behind both, no op in the graph.
+
+    Unlike ``dst.copy_(src)``, which keeps ``dst``'s lazy tensor (and its
+    id) and gives it ``src``'s IR, ``dst`` then wraps ``src``'s lazy tensor,
+    as if it had been created where ``src`` was; torch_xla syncs live tensors
+    in id order, so a graph's outputs keep the order ``src`` had. Views of
+    ``dst`` see the new value. A plain ``copy_`` where functionalization is off.
+    """
+    if _is_functional(dst) and _is_functional(src):
+        _functionalize_replace(dst, _from_functional(src))
+        _functionalize_commit_update(dst)
+    else:
+        dst.copy_(src)
+
+
 # --- torch: optimizers ----------------------------------------------------------
 
 _torch("optim.SGD._init_group")
@@ -115,6 +139,28 @@ def aot_fw_metadata() -> Any:
 
 _guard_failures: dict = _torch("_dynamo.utils.guard_failures")
 _InstructionTranslator = _torch("_dynamo.symbolic_convert.InstructionTranslator")
+
+
+_comptime: Callable[..., None] = _torch("_dynamo.comptime.comptime")
+_torch("_dynamo.comptime.ComptimeVar._i_will_not_complain_if_bc_breaks_VariableTracker")
+
+
+def at_trace_time(fn: Callable[[Any], None]) -> None:
+    """While dynamo traces the caller: calls ``fn(ctx)`` now, in Python, recording nothing in the graph.
+
+    ``fn`` must be a module-level function (dynamo drops a nested one's
+    closure); it reads the caller's locals with :func:`traced_object`.
+    """
+    _comptime(fn)
+
+
+def traced_object(ctx: Any, local: str) -> Any:
+    """In :func:`at_trace_time`'s ``fn``: the Python object behind the local ``local`` of at_trace_time's caller.
+
+    For an object dynamo tracks by identity (an optimizer, a module): its
+    VariableTracker's ``value``.
+    """
+    return ctx.get_local(local, stacklevel=1)._i_will_not_complain_if_bc_breaks_VariableTracker().value
 
 
 def last_guard_failure() -> Optional[str]:

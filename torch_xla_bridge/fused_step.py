@@ -209,18 +209,30 @@ def _cut_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
 
 
 def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: an eager optimizer's first step in a step of this backend
+    """Global optimizer step pre-hook: an optimizer's first step in a step of this backend
     finds its state created, as data.
 
-    The optimizer's own ``_init_group`` creates it (as dynamo does before it
-    traces a compiled step), so it is exactly what the step would create; its
-    constants are then materialized (:func:`_materialize_constant`), so the
-    first step's graph is the second's. A no-op while dynamo traces, with no
-    step of this backend pending, once every parameter with a gradient has
-    state, after the optimizer's first step in such a step (by identity, in
-    ``_state_created``), and for an optimizer without ``_init_group(group, *lists)``.
+    An eager step: the optimizer's own ``_init_group`` creates it (as dynamo
+    does before it traces a compiled step), so it is exactly what the step
+    would create; its constants are then materialized
+    (:func:`_materialize_constant`), so the first step's graph is the
+    second's. A compiled step: dynamo creates the state of every optimizer
+    but SGD's, whose momentum buffers the hook creates while dynamo traces it
+    (:func:`_zero_momentum_buffers`), so the first trace is the second's.
     """
-    if torch.compiler.is_compiling() or not _open or optimizer in _state_created:
+    if torch.compiler.is_compiling():
+        _private.at_trace_time(_create_momentum_buffers_at_trace_time)
+        return
+    _create_state(optimizer)
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates and materializes ``optimizer``'s state, once per optimizer (``_state_created``).
+
+    Nothing with no step of this backend pending, once every parameter with
+    a gradient has state, and for an optimizer without ``_init_group(group, *lists)``.
+    """
+    if not _open or optimizer in _state_created:
         return
     _state_created.add(optimizer)
     fresh = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in optimizer.state]
@@ -234,6 +246,14 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
                 _zero_momentum_buffers(optimizer, group)
     state = [t for p in fresh for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
     _materialize_constant(state)
+
+
+def _create_momentum_buffers_at_trace_time(ctx: Any) -> None:
+    # Run by dynamo while it traces the pre-hook, before SGD's _init_group reads the buffers;
+    # other optimizers' state dynamo creates (their _init_group, eagerly) and materializes.
+    optimizer = _private.traced_object(ctx, "optimizer")
+    if type(optimizer) is torch.optim.SGD:
+        _create_state(optimizer)
 
 
 def _zero_momentum_buffers(optimizer: torch.optim.SGD, group: dict) -> None:

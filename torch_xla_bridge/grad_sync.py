@@ -161,7 +161,7 @@ def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
     different graphs, so a fused backward compiled at the first and again at
     the second step. A ``.grad`` whose pending IR is exactly that zero fill is
     set aside (``.grad = None``) so the engine stores ``g``; at the end of the
-    pass the held tensor takes ``g``'s value (a lazy ``copy_``) and is
+    pass the held tensor takes ``g``'s lazy tensor (no op in the graph) and is
     ``.grad`` again, so a user holding it sees it updated, as after an add.
     Values are unchanged (``0 + g == g``). Loops with ``set_to_none=True`` pay
     one ``is None`` per leaf; leaves whose AccumulateGrad does not run
@@ -210,8 +210,9 @@ def _give_back(set_aside: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for leaf, held in set_aside:
             stored = leaf.grad
             if stored is not None and stored is not held:
-                # A lazy copy takes the source's IR: the graph stays the first step's.
-                held.copy_(stored)
+                # The stored gradient's lazy tensor, IR and id both: the step's graph (its
+                # outputs ordered by tensor id) stays the first step's.
+                _private.take_value(held, stored)
                 leaf.grad = held
 
 
