@@ -8,7 +8,9 @@ the modes (the order reversed every other round). In its turn a mode runs:
 - `--steps` steps, each from an idle device (`xm.wait_device_ops()` before):
   **host time** is the step's Python call, `perf_counter` from call to return
   (the step includes its end: `torch_xla.sync()`, the fused step's cut), with
-  no wait inside; then, after `xm.wait_device_ops()`, **device time** is the
+  no wait inside, and **host CPU**, the Python thread's own CPU time in that
+  call (`time.thread_time`): on a machine whose cores also run PJRT CPU's
+  executions, host time includes waiting for a core, host CPU does not; then, after `xm.wait_device_ops()`, **device time** is the
   step's delta of torch_xla's execute metrics (`ExecuteTime` total, ns;
   `ExecuteReplicatedTime` under SPMD) and **busy time** the union of those
   executions' intervals; the executions per step come from
@@ -48,6 +50,7 @@ import torch._dynamo  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
+from bench.loops import LOOPS  # noqa: E402
 from bench.worker import MODES, build_step  # noqa: E402
 from torch_xla_bridge.counting import executions  # noqa: E402
 from torch_xla_bridge.names import EXECUTE_METRICS, UPSTREAM_BACKEND_NAME  # noqa: E402
@@ -97,10 +100,11 @@ def _busy_seconds(samples: list[tuple[float, float]]) -> float:
 class Trainer:
     """One mode's training step on a workload of bench/models.py, with its measurements."""
 
-    def __init__(self, mode: str, workload: str) -> None:
-        self.step, model = build_step(dict(workload=workload, mode=mode, loop=LOOP))
+    def __init__(self, mode: str, workload: str, loop: str = LOOP) -> None:
+        self.step, model = build_step(dict(workload=workload, mode=mode, loop=loop))
         self.tensors = len(list(model.parameters()))
         self.host: list[float] = []
+        self.host_cpu: list[float] = []
         self.sync: list[float] = []
         self.device: list[float] = []
         self.busy: list[float] = []
@@ -112,13 +116,14 @@ class Trainer:
         xm.wait_device_ops()
         e0 = executions(wait=False)  # waited for just above
         n0, d0, _ = _execute_metrics()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         xm.wait_device_ops()
         t2 = time.perf_counter()
         n1, d1, samples = _execute_metrics()
         self.host.append(t1 - t0)
+        self.host_cpu.append(c1 - c0)
         self.sync.append(t2 - t0)
         self.device.append((d1 - d0) / 1e9)
         self.execs.append(executions(wait=False) - e0)
@@ -141,17 +146,19 @@ class Trainer:
         return dict(
             tensors=self.tensors, executions_per_step=statistics.mode(self.execs), steps=len(self.host),
             host_ms=ms(self.host), host_p25_ms=round(1e3 * q[0], 3), host_p75_ms=round(1e3 * q[2], 3),
+            host_cpu_ms=ms(self.host_cpu),
             device_ms=ms(self.device), busy_ms=ms(self.busy), sync_ms=ms(self.sync),
             pipelined_ms=ms(self.pipelined),
         )
 
 
-def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int) -> dict:
+def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int,
+                     loop: str = LOOP) -> dict:
     """All modes of one workload built side by side, then their turns alternated round by round."""
     # Fresh dynamo per workload: every trainer compiles the same `loss_of` and `SGD.step`
     # code objects, and all workloads' together would pass dynamo's recompile limit.
     torch._dynamo.reset()
-    trainers = {m: Trainer(m, workload) for m in modes}
+    trainers = {m: Trainer(m, workload, loop) for m in modes}
     for t in trainers.values():
         for _ in range(warmup):
             t.step()
@@ -163,17 +170,17 @@ def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, 
             trainers[m].pipelined_block(block)
     rows = {m: t.summary() for m, t in trainers.items()}
     add_ratios(rows)
-    return dict(workload=workload, loop=LOOP, rows=rows)
+    return dict(workload=workload, loop=loop, rows=rows)
 
 
-def run_workload(workload: str, modes: list[str], counts: dict[str, int]) -> dict:
+def run_workload(workload: str, modes: list[str], counts: dict[str, int], loop: str = LOOP) -> dict:
     """`measure_workload` in a fresh process: one row per mode, or an error row per mode.
 
     A process per workload: XLA keeps every executable it compiled for the
     process's life, and with all workloads' in one process PJRT CPU's JIT ran
     out of memory mappings (vm.max_map_count) while compiling bank1000's.
     """
-    cmd = [sys.executable, "-m", "bench.host_time", "--one", workload, "--modes", ",".join(modes)]
+    cmd = [sys.executable, "-m", "bench.host_time", "--one", workload, "--modes", ",".join(modes), "--loop", loop]
     cmd += [f"--{k}={v}" for k, v in counts.items()]
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
@@ -181,7 +188,7 @@ def run_workload(workload: str, modes: list[str], counts: dict[str, int]) -> dic
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
     error = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return dict(workload=workload, loop=LOOP, rows={m: dict(error=error) for m in modes})
+    return dict(workload=workload, loop=loop, rows={m: dict(error=error) for m in modes})
 
 
 def add_ratios(rows: dict[str, dict]) -> None:
@@ -190,7 +197,7 @@ def add_ratios(rows: dict[str, dict]) -> None:
     if base is None:
         return
     for r in rows.values():
-        for field in ("host_ms", "device_ms", "pipelined_ms"):
+        for field in ("host_ms", "host_cpu_ms", "device_ms", "pipelined_ms"):
             if r.get(field) is not None and base.get(field):
                 r[field.replace("_ms", "_ratio")] = round(r[field] / base[field], 3)
 
@@ -234,11 +241,13 @@ def markdown(report: dict) -> str:
         f"# Host time and device time{' (quick)' if report['quick'] else ''}",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores; PJRT_DEVICE={info['pjrt_device']}; "
-        f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{LOOP}` (SGD with momentum, "
-        f"optimizer step compiled where the mode compiles). {c['rounds']} rounds, modes alternated; per round "
+        f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{report.get('loop', LOOP)}` "
+        f"(SGD with momentum; {LOOPS[report.get('loop', LOOP)].label}). {c['rounds']} rounds, modes alternated; per round "
         f"and mode {c['steps']} steps from an idle device and one pipelined block of {c['block']} steps.",
         "",
         "host: the step's Python call from an idle device until it returns (median, p25–p75); "
+        "host CPU: the Python thread's CPU time in that call (without waits for a core the device's "
+        "executions hold); "
         "device: sum of the step's `ExecuteTime` (dispatch to outputs ready, so executions queued behind "
         "one another count their wait too); busy: union of those intervals; sync: host + drain; "
         "pipelined: per step in blocks without waits, drained to drained. Ratios are to `openxla`, same run.",
@@ -247,16 +256,17 @@ def markdown(report: dict) -> str:
         rows = w["rows"]
         tensors = next((r["tensors"] for r in rows.values() if "tensors" in r), "?")
         lines += ["", f"## {w['workload']} ({tensors} parameter tensors)", "",
-                  "| mode | execs/step | host ms (p25–p75) | host ratio | device ms | busy ms | sync ms "
-                  "| pipelined ms | pipelined ratio |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | execs/step | host ms (p25–p75) | host ratio | host CPU ms | host CPU ratio | device ms "
+                  "| busy ms | sync ms | pipelined ms | pipelined ratio |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in rows.items():
             if "error" in r:
-                lines.append(f"| {m} | {r['error'][:100]} |" + " |" * 7)
+                lines.append(f"| {m} | {r['error'][:100]} |" + " |" * 9)
                 continue
             spread = f" ({r['host_p25_ms']:.2f}–{r['host_p75_ms']:.2f})" if "host_p25_ms" in r else ""
             lines.append(
                 f"| {m} | {r['executions_per_step']} | {r['host_ms']:.2f}{spread} | {_fmt(r.get('host_ratio'))} | "
+                f"{_fmt(r.get('host_cpu_ms'), '.2f')} | {_fmt(r.get('host_cpu_ratio'))} | "
                 f"{_fmt(r.get('device_ms'), '.2f')} | {_fmt(r.get('busy_ms'), '.2f')} | "
                 f"{_fmt(r.get('sync_ms'), '.2f')} | {_fmt(r.get('pipelined_ms'), '.2f')} | "
                 f"{_fmt(r.get('pipelined_ratio'))} |")
@@ -340,6 +350,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--jax-python", default=os.environ.get("BENCH_JAX_PYTHON"),
                     help="an interpreter with jax for the JAX reference (default: $BENCH_JAX_PYTHON, else this one "
                          "if it has jax)")
+    ap.add_argument("--loop", default=LOOP, choices=list(LOOPS), help=f"a loop of bench/loops.py (default {LOOP})")
     ap.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)  # one workload's JSON (run_workload)
     ap.add_argument("--profile", metavar="MODE", help="instead: cProfile 20 steps of MODE on --workload")
     ap.add_argument("--workload", default="mlp32x256", help="the workload --profile runs")
@@ -353,15 +364,15 @@ def main(argv: Iterable[str] | None = None) -> None:
     counts = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
     workloads = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     if args.one:
-        print(json.dumps(measure_workload(args.one, modes, **counts)))
+        print(json.dumps(measure_workload(args.one, modes, **counts, loop=args.loop)))
         return
     out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, workloads=[])
+    report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, loop=args.loop, workloads=[])
     for w in workloads:
         t0 = time.perf_counter()
-        report["workloads"].append(run_workload(w, modes, counts))
+        report["workloads"].append(run_workload(w, modes, counts, args.loop))
         print(f"{w}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         # Written as it goes: a later workload's crash keeps the earlier ones.
         (out / "host_time.json").write_text(json.dumps(report, indent=1))

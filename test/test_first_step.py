@@ -187,3 +187,34 @@ def test_fused_step_batchnorm_and_fresh_optimizer_state_compile_once(optimizer, 
     else:
         assert materialized == 2  # the forward's counter, then the optimizer's buffers
         assert compiles == [0] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_later_micro_batches_do_not_walk_the_pending_step(backend):
+    # From the second micro-batch on, BatchNorm's statistics and every .grad hold the earlier
+    # micro-batches' pending IR. Telling fresh state (constants) and zero fills from it must
+    # not walk that IR: a walk creates a tensor per device-data leaf it finds, so the XLA
+    # tensors a micro-batch creates would grow with the micro-batches before it.
+    dev = device()
+    torch.manual_seed(0)
+    model = NormNet().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fwd = torch.compile(lambda x, y: F.cross_entropy(model(x), y) / 3, backend=backend)
+    step = torch.compile(opt.step, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 16, 16, generator=g).to(dev), torch.randint(0, 4, (4,), generator=g).to(dev))
+               for _ in range(3)]
+    for _ in range(3):  # the last step is measured
+        created = []
+        opt.zero_grad(set_to_none=False)
+        for x, y in batches:
+            before = counter("CreateXlaTensor")
+            loss = fwd(x, y)
+            middle = counter("CreateXlaTensor")
+            loss.backward()
+            created.append((middle - before, counter("CreateXlaTensor") - middle))
+        step()
+        xm.mark_step()
+    (fwd1, _), (fwd2, bwd2), (fwd3, bwd3) = created
+    assert fwd2 == fwd3 == fwd1, created
+    assert bwd3 == bwd2, created

@@ -35,6 +35,8 @@ def test_host_time_report(tmp_path: pathlib.Path) -> None:
         assert r["tensors"] == 10
         assert r["host_ms"] > 0 and r["device_ms"] > 0 and r["pipelined_ms"] > 0, (mode, r)
         assert r["host_ratio"] > 0 and r["pipelined_ratio"] > 0
+        # One thread's CPU time within a call cannot exceed the call's wall time (timer granularity aside).
+        assert 0 < r["host_cpu_ms"] <= r["host_ms"] + 0.05, (mode, r)
     # The counts the backends document (docs/fused_step.md, docs/benchmarks.md), compiled optimizer.
     execs = {m: rows[m]["executions_per_step"] for m in MODES}
     assert execs[STEP_BACKEND_NAME] == execs["lazy"] == execs["torch_xla.compile"] == 1

@@ -62,3 +62,26 @@ def test_double_backward_is_recognized_by_aot_autograds_own_function():
         (g,) = torch.autograd.grad(f(x), x, create_graph=True)
     assert seen == [False, True]
     assert g.requires_grad
+
+
+def test_ir_root_reads_the_root_of_the_pending_ir_only():
+    dev = torch_xla.device()
+    t = torch.randn(3, device=dev)
+    xm.mark_step()
+    assert _private.ir_root(t) is None  # device data: no pending IR
+    u = t + 1
+    for _ in range(50):
+        u = u * 2
+    assert _private.ir_root(u).startswith("aten::mul, xla_shape=f32[3]")
+    assert _private.ir_root(torch.zeros(3, device=dev)) == _private.ir_root(t.clone().zero_())
+    assert _private.ir_root(torch.zeros(3, device=dev)) != _private.ir_root(torch.zeros(4, device=dev))
+
+
+def test_take_value_gives_the_destination_the_sources_lazy_tensor():
+    dev = torch_xla.device()
+    dst, src = torch.zeros(3, device=dev), torch.randn(3, device=dev) * 2
+    view = dst[:2]
+    _private.take_value(dst, src)
+    assert torch_xla._XLAC._xla_get_tensor_id(dst) == torch_xla._XLAC._xla_get_tensor_id(src)
+    assert _private.graph_hash([dst]) == _private.graph_hash([src])
+    torch.testing.assert_close(view.cpu(), src.cpu()[:2])

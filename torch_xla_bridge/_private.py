@@ -246,6 +246,19 @@ else:
     # The device-data leaves of tensors' pending IR (none: the IR is made of constants only).
     device_data_nodes: Callable[[list], tuple] = _xla("_get_tensors_xla_device_data_node", _XLAC)
     graph_hash: Callable[[list], bytes] = _xla("_get_graph_hash", _XLAC)
+    _debug_info: Callable[[torch.Tensor], str] = _xla("_get_xla_tensor_debug_info", _XLAC)
+
+    def ir_root(t: torch.Tensor) -> Optional[str]:
+        """The root node of ``t``'s pending IR as torch_xla prints it (op, shape, attributes); None without IR.
+
+        Reads the root only: microseconds however large the graph, where
+        ``device_data_nodes`` and ``graph_hash`` walk all of it.
+        """
+        for line in _debug_info(t).splitlines():
+            if line.startswith("IR: "):
+                root = line[len("IR: "):]
+                return None if root == "None" else root.split("] ", 1)[-1]  # after the scope, "[...] "
+        return None
     # False inside torch_xla.compile(full_graph=True): any execution there raises.
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)

@@ -217,16 +217,24 @@ def _give_back(set_aside: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _is_zero_fill(grad: torch.Tensor) -> bool:
-    """``grad``'s pending IR is the zero fill ``zero_()`` leaves (constants only, and the same graph)."""
-    if _private.device_data_nodes([grad])[0]:
+    """``grad``'s pending IR is the zero fill ``zero_()`` leaves (constants only, and the same graph).
+
+    The root is compared first: a gradient a micro-batch left pending has
+    another root, and walking its IR (the whole micro-batch) would cost
+    milliseconds per leaf.
+    """
+    shape, dtype, device = tuple(grad.shape), grad.dtype, str(grad.device)
+    root, graph = _zero_fill(shape, dtype, device)
+    if _private.ir_root(grad) != root or _private.device_data_nodes([grad])[0]:
         return False
-    return _private.graph_hash([grad]) == _zero_fill_hash(tuple(grad.shape), grad.dtype, str(grad.device))
+    return _private.graph_hash([grad]) == graph
 
 
 @functools.lru_cache(maxsize=None)
-def _zero_fill_hash(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> bytes:
-    """The graph hash of ``zero_()`` on a tensor of this shape, dtype and device (a cache by that key)."""
-    return _private.graph_hash([torch.zeros(shape, dtype=dtype, device=device)])
+def _zero_fill(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[Optional[str], bytes]:
+    """The IR root and graph hash of ``zero_()`` on a tensor of this shape, dtype and device (a cache by that key)."""
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    return _private.ir_root(zeros), _private.graph_hash([zeros])
 
 
 def live_backward_passes() -> int:
