@@ -184,9 +184,11 @@ def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
         return
     held = [fn.variable.grad for fn in filled]
     pending = _private.need_materialization(held)
+    filled = [fn for fn, is_pending in zip(filled, pending) if is_pending]
+    held = [fn.variable.grad for fn in filled]
     set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for fn, grad, is_pending in zip(filled, held, pending):
-        if not (is_pending and _is_zero_fill(grad)):
+    for fn, grad, zero_fill in zip(filled, held, _zero_fills(held)):
+        if not zero_fill:
             continue
         try:
             runs = _private.will_engine_execute_node(fn)
@@ -216,13 +218,34 @@ def _give_back(set_aside: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 leaf.grad = held
 
 
-def _is_zero_fill(grad: torch.Tensor) -> bool:
-    """``grad``'s pending IR is the zero fill ``zero_()`` leaves (constants only, and the same graph).
+def _zero_fills(grads: list[torch.Tensor]) -> list[bool]:
+    """Which of the pending ``grads`` hold exactly the zero fill ``zero_()`` leaves (constants only, same graph).
 
-    The root is compared first: a gradient a micro-batch left pending has
-    another root, and walking its IR (the whole micro-batch) would cost
-    milliseconds per leaf.
+    All at once first: the hash of their joint IR against fresh zeros' of the
+    same shapes (a cache by shapes), as after ``zero_grad`` every one is; only
+    then are the device-data leaves looked for, in those small graphs (the
+    lookup creates a tensor per leaf). Else one by one, each root compared
+    first: a gradient a micro-batch left pending has another root, and a
+    walk of its IR (the whole micro-batch) per leaf would cost milliseconds.
     """
+    if not grads:
+        return []
+    if len({g.device for g in grads}) == 1:
+        shapes = tuple((tuple(g.shape), g.dtype) for g in grads)
+        if (_private.graph_hash(grads) == _zero_fills_hash(shapes, str(grads[0].device))
+                and not _private.device_data_nodes(grads)[0]):
+            return [True] * len(grads)
+    return [_is_zero_fill(g) for g in grads]
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_fills_hash(shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: str) -> bytes:
+    """The joint graph hash of ``zero_()`` on tensors of these shapes and dtypes (a cache by that key)."""
+    return _private.graph_hash([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes])
+
+
+def _is_zero_fill(grad: torch.Tensor) -> bool:
+    """``grad``'s pending IR is the zero fill ``zero_()`` leaves; its IR root is compared first (see _zero_fills)."""
     shape, dtype, device = tuple(grad.shape), grad.dtype, str(grad.device)
     root, graph = _zero_fill(shape, dtype, device)
     if _private.ir_root(grad) != root or _private.device_data_nodes([grad])[0]:
