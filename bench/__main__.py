@@ -116,8 +116,9 @@ def add_ratios(results: list[dict]) -> None:
             continue
         b = base.get(_key(r))
         if b is not None:
-            for field in ("step_ms", "host_ms", "compile_s", "first_two_s", "peak_rss_mb"):
-                r[f"{field}_ratio"] = r[field] / b[field]
+            for field in ("step_ms", "host_ms", "compile_s", "first_two_s", "peak_rss_mb", "device_peak_mb"):
+                if r.get(field) is not None and b.get(field):
+                    r[f"{field}_ratio"] = r[field] / b[field]
         study, workload, loop, micro = _key(r)
         lz = lazy.get(_key(r)) or lazy.get((study, workload, traced_equivalent(loop), micro))
         if lz is not None and r["mode"] != "lazy":
@@ -160,16 +161,19 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
            "alternated, so that they share the machine's state.")
         + " Host: Python time until the step's last dispatch. Ratios are to upstream `openxla` on the "
         "same workload and loop; \"vs lazy\" to LazyTensor (`torch_xla.sync()` per step, its optimizer "
-        "traced with the step) on the same workload.",
+        "traced with the step) on the same workload. Device peak: the largest compiled program's own buffers "
+        "(arguments + outputs - donated + temporaries, from XLA's compile-time accounting; see bench/memory.py: "
+        "a lower bound for modes with several programs per step), and the bytes it donates.",
         "",
         "| workload | loop | mode | execs/step | step ms (p25–p75) | ratio | vs lazy | host ms | ratio | compile s "
-        "| ratio | first 2 steps s | ratio | peak RSS MB | ratio | vs lazy | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ratio | first 2 steps s | ratio | peak RSS MB | ratio | vs lazy | device peak MB | ratio | donated MB "
+        "| final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         loop = r["loop"] + (f" x{r['micro']}" if r.get("micro") else "")
         if "error" in r:
-            lines.append(f"| {r['workload']} | {loop} | {r['mode']} | error: {r['error'][:80]} |" + " |" * 13)
+            lines.append(f"| {r['workload']} | {loop} | {r['mode']} | error: {r['error'][:80]} |" + " |" * 16)
             continue
         lines.append(
             f"| {r['workload']} | {loop} | {r['mode']} | {r['executions_per_step']} | "
@@ -178,7 +182,8 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
             f"{r['host_ms']:.2f} | {_fmt(r.get('host_ms_ratio'), '.3f')} | {r['compile_s']:.2f} | "
             f"{_fmt(r.get('compile_s_ratio'), '.3f')} | {r['first_two_s']:.2f} | {_fmt(r.get('first_two_s_ratio'), '.3f')} | "
             f"{r['peak_rss_mb']:.0f} | {_fmt(r.get('peak_rss_mb_ratio'), '.3f')} | "
-            f"{_fmt(r.get('peak_rss_mb_ratio_lazy'), '.3f')} | {r['final_loss']:.5f} |"
+            f"{_fmt(r.get('peak_rss_mb_ratio_lazy'), '.3f')} | {_fmt(r.get('device_peak_mb'), '.2f')} | "
+            f"{_fmt(r.get('device_peak_mb_ratio'), '.3f')} | {_fmt(r.get('donated_mb'), '.2f')} | {r['final_loss']:.5f} |"
         )
     fused = [r for r in results if r["mode"] == BACKEND_NAME and "callback_share" in r]
     if fused:

@@ -18,6 +18,10 @@ import time
 from typing import Any, Callable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+from bench import memory  # noqa: E402  (no torch_xla)
+
+# Before torch_xla is imported (it reads the variables once), and only in a worker process, not when imported.
+ANALYSIS_FILE = memory.enable() if __name__ == "__main__" else None
 
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
@@ -137,6 +141,9 @@ def run(cfg: dict) -> dict:
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         final_loss=losses[-1],
     )
+    if ANALYSIS_FILE is not None:
+        out.update(memory.summary(memory.parse(ANALYSIS_FILE.read_text())))
+        ANALYSIS_FILE.unlink(missing_ok=True)
     if callbacks:
         out["callback_ms"] = 1e3 * statistics.median(callback_s)
         out["callback_share"] = statistics.median(c / t for c, t in zip(callback_s, total, strict=True))
