@@ -237,12 +237,13 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 def markdown(report: dict) -> str:
     info = report["machine"]
     c = report["counts"]
+    loop = report.get("loop", LOOP)
     lines = [
         f"# Host time and device time{' (quick)' if report['quick'] else ''}",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores; PJRT_DEVICE={info['pjrt_device']}; "
-        f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{report.get('loop', LOOP)}` "
-        f"(SGD with momentum; {LOOPS[report.get('loop', LOOP)].label}). {c['rounds']} rounds, modes alternated; per round "
+        f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{loop}` "
+        f"(SGD with momentum; {LOOPS[loop].label}). {c['rounds']} rounds, modes alternated; per round "
         f"and mode {c['steps']} steps from an idle device and one pipelined block of {c['block']} steps.",
         "",
         "host: the step's Python call from an idle device until it returns (median, p25–p75); "

@@ -182,8 +182,7 @@ def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
     ]
     if not filled:
         return
-    held = [fn.variable.grad for fn in filled]
-    pending = _private.need_materialization(held)
+    pending = _private.need_materialization([fn.variable.grad for fn in filled])
     filled = [fn for fn, is_pending in zip(filled, pending) if is_pending]
     held = [fn.variable.grad for fn in filled]
     set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
