@@ -1,9 +1,10 @@
 """Host time and device time of one training step, per mode and workload, in one process.
 
-Per workload, one trainer per mode is built first (bench.worker's
-`build_step`, loop `zero_grads`: SGD with momentum, the optimizer step
-compiled where the mode compiles), each is warmed up, then rounds alternate
-the modes (the order reversed every other round). In its turn a mode runs:
+Per workload, one trainer per mode is built first, each in a process of its
+own (bench.worker's `build_step`, loop `zero_grads`: SGD with momentum, the
+optimizer step compiled where the mode compiles), each is warmed up, then
+rounds alternate the modes (the order reversed every other round). In its
+turn a mode runs:
 
 - `--steps` steps, each from an idle device (`xm.wait_device_ops()` before):
   **host time** is the step's Python call, `perf_counter` from call to return
@@ -18,7 +19,7 @@ the modes (the order reversed every other round). In its turn a mode runs:
 - one pipelined block of `--block` steps with no wait between steps, timed
   drained-to-drained, per step.
 
-Each workload runs in its own process (see `run_workload`).
+Each workload's trainers are coordinated by a process of its own (see `run_workload`).
 
 Reported: medians (and quartiles of host time) per mode, ratios of medians to
 upstream `openxla` measured in the same run, and a JAX `jax.jit` reference of
@@ -46,7 +47,6 @@ from typing import Any, Iterable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch._dynamo  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
@@ -154,23 +154,69 @@ class Trainer:
 
 def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int,
                      loop: str = LOOP) -> dict:
-    """All modes of one workload built side by side, then their turns alternated round by round."""
-    # Fresh dynamo per workload: every trainer compiles the same `loss_of` and `SGD.step`
-    # code objects, and all workloads' together would pass dynamo's recompile limit.
-    torch._dynamo.reset()
-    trainers = {m: Trainer(m, workload, loop) for m in modes}
-    for t in trainers.values():
-        for _ in range(warmup):
-            t.step()
-        xm.wait_device_ops()
-    for i in range(rounds):
-        for m in modes if i % 2 == 0 else modes[::-1]:
-            for _ in range(steps):
-                trainers[m].timed_step()
-            trainers[m].pipelined_block(block)
-    rows = {m: t.summary() for m, t in trainers.items()}
+    """Each mode's trainer in a process of its own (:func:`serve`), their turns alternated round by round.
+
+    A process per mode, as a user runs one model: a step barrier
+    (``torch_xla.sync()``, the fused step's cut) visits every live XLA tensor
+    of its process, so trainers of the other modes in the same process would
+    make it pay for their tensors too (measured: 25 ms per barrier with
+    15,000 live tensors, none pending). Only the process whose turn it is
+    runs; the others wait on their stdin.
+    """
+    procs = {m: subprocess.Popen([sys.executable, "-m", "bench.host_time", "--serve", m, "--workload", workload,
+                                  "--loop", loop], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
+             for m in modes}
+
+    def ask(mode: str, command: str) -> str:
+        proc = procs[mode]
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+        reply = proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"{mode} on {workload}: the trainer's process exited ({proc.wait()}) at {command!r}")
+        return reply
+
+    try:
+        for m in modes:  # one at a time: compiles do not compete for the cores
+            ask(m, f"warmup {warmup}")
+        for i in range(rounds):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                ask(m, f"turn {steps} {block}")
+        rows = {m: json.loads(ask(m, "summary")) for m in modes}
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait(timeout=60)
     add_ratios(rows)
     return dict(workload=workload, loop=loop, rows=rows)
+
+
+def serve(mode: str, workload: str, loop: str) -> None:
+    """One mode's trainer, run on command from stdin, one reply line per command on stdout.
+
+    ``warmup N``: N steps, drained; ``turn STEPS BLOCK``: STEPS timed steps
+    and one pipelined block; ``summary``: the trainer's figures as JSON.
+    """
+    out, sys.stdout = sys.stdout, sys.stderr  # replies only on the real stdout
+    trainer = Trainer(mode, workload, loop)
+    for line in sys.stdin:
+        command, *counts = line.split()
+        n = [int(c) for c in counts]
+        if command == "warmup":
+            for _ in range(n[0]):
+                trainer.step()
+            xm.wait_device_ops()
+            reply = "ok"
+        elif command == "turn":
+            for _ in range(n[0]):
+                trainer.timed_step()
+            trainer.pipelined_block(n[1])
+            reply = "ok"
+        else:
+            reply = json.dumps(trainer.summary())
+        out.write(reply + "\n")
+        out.flush()
 
 
 def run_workload(workload: str, modes: list[str], counts: dict[str, int], loop: str = LOOP) -> dict:
@@ -354,10 +400,14 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--loop", default=LOOP, choices=list(LOOPS), help=f"a loop of bench/loops.py (default {LOOP})")
     ap.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)  # one workload's JSON (run_workload)
     ap.add_argument("--profile", metavar="MODE", help="instead: cProfile 20 steps of MODE on --workload")
+    ap.add_argument("--serve", metavar="MODE", help=argparse.SUPPRESS)  # one mode's trainer (serve)
     ap.add_argument("--workload", default="mlp32x256", help="the workload --profile runs")
     args = ap.parse_args(argv)
     if args.profile:
         profile(args.profile, args.workload)
+        return
+    if args.serve:
+        serve(args.serve, args.workload, args.loop)
         return
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:

@@ -11,7 +11,7 @@ import sys
 from bench import memory
 from bench.models import by_name
 from limits import HANG_TIMEOUT_S
-from torch_xla_bridge.names import STEP_BACKEND_NAME
+from torch_xla_bridge.names import STEP_BACKEND_NAME, UPSTREAM_BACKEND_NAME
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The analysis prints GB with 6 decimals: each size is within half a unit of the true bytes.
@@ -53,7 +53,13 @@ def test_worker_reports_the_programs_memory_with_what_they_donate():
     lazy = _worker("lazy")
     assert abs(lazy["donated_mb"] * 2**20 - 2 * param_bytes) <= GB_ROUNDING, (lazy, param_bytes)
     # The fused step: one program (and one materializing the fresh momentum buffers); its outputs
-    # hold the new parameters, .grad and momentum buffers.
+    # hold the new parameters, .grad and momentum buffers. With a compiled optimizer it updates
+    # parameters and momentum in place as LazyTensor does: both donated, so its peak is below
+    # upstream's, which keeps the old and the new of both.
     fused = _worker(STEP_BACKEND_NAME)
     assert fused["programs_compiled"] == 2, fused
     assert fused["device_peak_mb"] * 2**20 >= 3 * param_bytes, (fused, param_bytes)
+    assert abs(fused["donated_mb"] * 2**20 - 2 * param_bytes) <= GB_ROUNDING, (fused, param_bytes)
+    upstream = _worker(UPSTREAM_BACKEND_NAME)
+    assert upstream["donated_mb"] == 0, upstream
+    assert fused["device_peak_mb"] < upstream["device_peak_mb"], (fused, upstream)

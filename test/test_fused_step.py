@@ -447,3 +447,28 @@ def test_graph_outside_a_step_executes_its_pending_inputs_with_it():
     assert executions() - before == 1
     assert not any(pending([a, b, out]))
     torch.testing.assert_close(out.cpu(), (x + y) * (y * 3) + y * 3)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zero_grads"])
+def test_compiled_optimizer_updates_parameters_and_momentum_in_place(set_to_none):
+    """The step's program donates each parameter's and momentum buffer's old buffer to its new value.
+
+    As an eager optimizer's in-place updates are: the compiled step writes its
+    new values into parameters and state as in-place updates before the cut
+    (upstream writes them back after its own execution, keeping old and new).
+    """
+    # A width of its own: XLA's compilation cache is the process's, shared with the other tests.
+    task = mlp_task(width=21 if set_to_none else 23)
+    model = make_model(task)
+    n_params = len(list(model.parameters()))
+    before = met.metric_data("InputOutputAliasCount")
+    seen = before[0] if before else 0
+    compiles = counter("UncachedCompile")
+    ours = train(task, FUSED_STEP, model=model, steps=STEPS, set_to_none=set_to_none, compiled_optimizer=True)
+    assert [r.total for r in ours.steps[WARMUP:]] == [1] * (STEPS - WARMUP)
+    # The fresh momentum buffers' materialization (no donor), then the step, compiled once.
+    assert counter("UncachedCompile") - compiles == 2
+    count, _, samples = met.metric_data("InputOutputAliasCount")
+    donors = sorted(v for _, v in samples[-(count - seen):])
+    assert donors == [0, 2 * n_params], donors
+    assert_same_training(ours, train(task, UPSTREAM, model=make_model(task), steps=STEPS, set_to_none=set_to_none))

@@ -70,6 +70,7 @@ _is_functional: Callable[[torch.Tensor], bool] = _torch("_is_functional_tensor")
 _from_functional: Callable[[torch.Tensor], torch.Tensor] = _torch("_from_functional_tensor")
 _functionalize_replace: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_functionalize_replace")
 _functionalize_commit_update: Callable[[torch.Tensor], None] = _torch("_functionalize_commit_update")
+_propagate_xla_data: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_propagate_xla_data")
 
 
 def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -82,6 +83,17 @@ def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
     ``dst`` see the new value. A plain ``copy_`` where functionalization is off.
     """
     if _is_functional(dst) and _is_functional(src):
+        _functionalize_replace(dst, _from_functional(src))
+        _functionalize_commit_update(dst)
+    else:
+        dst.copy_(src)
+
+
+def update_in_place(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` takes ``src``'s value (:func:`take_value`) as an in-place update of ``dst`` would:
+    the next sync donates ``dst``'s current buffer to the new value (torch_xla's alias id)."""
+    if _is_functional(dst) and _is_functional(src):
+        _propagate_xla_data(_from_functional(dst), _from_functional(src))
         _functionalize_replace(dst, _from_functional(src))
         _functionalize_commit_update(dst)
     else:

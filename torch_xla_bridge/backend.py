@@ -116,7 +116,11 @@ def openxla_fused_step(
         return upstream
     from . import fused_step
 
-    return aot_autograd(**fused_step.compilers(), decompositions=decompositions.table)(gm, example_inputs, **kwargs)
+    # Inference graphs keep their input updates (an optimizer step's copy_ into parameters and
+    # state), which the deferred graph writes back as in-place updates, donated by the step.
+    return aot_autograd(
+        **fused_step.compilers(), decompositions=decompositions.table, keep_inference_input_mutations=True,
+    )(gm, example_inputs, **kwargs)
 
 
 def require_torch_xla(backend: str) -> None:

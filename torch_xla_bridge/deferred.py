@@ -116,6 +116,10 @@ class DeferredGraph:
         self.upstream_compiler = upstream_compiler
         self.unfused_effect = unfused_effect
         self.validate = validate
+        # Inputs the graph updates in place (AOTAutograd's trailing copy_ into an input, kept in
+        # the graph): lowered as its last outputs, each written back into its input per call.
+        gm, self._updated_positions = _updates_as_outputs(gm)
+        self.gm = gm
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         # Per signature: the lowered graph, or why it cannot be lowered (so the
         # probe runs once per signature, not once per call).
@@ -140,6 +144,19 @@ class DeferredGraph:
         self._boxed_call = True
 
     def __call__(self, args: list) -> Any:
+        if not self._updated_positions:
+            return self._call(args)
+        # The updated inputs, before a call clears ``args``.
+        targets = [args[i] for i in self._updated_positions]
+        self._deferred_call = False
+        outs = list(self._call(args, targets))
+        if not self._deferred_call:  # the unfused path: write back as AOTAutograd would have
+            with torch.no_grad():
+                for target, value in zip(targets, outs[len(outs) - len(targets):]):
+                    target.detach().copy_(value)
+        return outs[:len(outs) - len(targets)]
+
+    def _call(self, args: list, targets: Sequence[torch.Tensor] = ()) -> Any:
         reason = self._static_reason or self.upstream_reason()
         if reason is None:
             key = self._signature(args)
@@ -159,8 +176,13 @@ class DeferredGraph:
                 args.clear()
                 if self.kind == "backward":
                     grad_sync.store_like_a_first_gradient(outs)
+                if self._split:
+                    outs = self._split.merge(outs, host)
+                if targets:
+                    self._deferred_call = True
+                    _write_back(targets, outs[len(outs) - len(targets):])
                 self.on_pending(pending)
-                return self._split.merge(outs, host) if self._split else outs
+                return outs
         return self._run_upstream(args, reason)
 
     def _validate(self, key: _Signature, pending: list[torch.Tensor], args: Sequence[Any]) -> None:
@@ -300,6 +322,64 @@ class DeferredGraph:
         if non_xla:
             return f"it produces a tensor on {non_xla[0].device}"
         return None
+
+
+def _updates_as_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, tuple[int, ...]]:
+    """``gm`` with its in-place updates of inputs moved out, and the positions of the inputs they update.
+
+    An update is AOTAutograd's ``copy_(input, new value)`` that ends a graph
+    compiled with ``keep_inference_input_mutations`` (nothing reads its
+    result). The returned graph computes the same and returns each new value
+    after its own outputs, in the order of the positions; the caller writes
+    them back. ``gm`` itself where it has none, or where one changes a shape
+    or dtype (left to the graph, which then runs unfused).
+    """
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    copies = [
+        n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+        if _input_behind(n.args[0]) in placeholders and not n.users
+    ]
+    if not copies or not all(_same_meta(n.args[0], n.args[1]) for n in copies):
+        return gm, ()
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    by_name = {n.name: n for n in new.graph.nodes}
+    output = new.graph.output_node()
+    values = [by_name[n.args[1].name] for n in copies]
+    (outs,) = output.args
+    output.args = ((*outs, *values),)
+    for n in copies:
+        new.graph.erase_node(by_name[n.name])
+    new.recompile()
+    return new, tuple(placeholders[_input_behind(n.args[0])] for n in copies)
+
+
+def _input_behind(node: Any) -> Any:
+    """The node whose tensor ``node`` is: through ops that return their first argument itself
+    (``xla::dynamo_set_buffer_donor_``, which marks an input for donation)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RETURNS_ITS_INPUT:
+        node = node.args[0]
+    return node
+
+
+# Ops that return their first argument itself (their schema does not say so).
+_RETURNS_ITS_INPUT = frozenset({torch.ops.xla.dynamo_set_buffer_donor_.default})
+
+
+def _same_meta(a: torch.fx.Node, b: Any) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.device == vb.device)
+
+
+def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any]) -> None:
+    """Each target takes its new pending value as an in-place update would (no op), so the step's
+    execution donates the target's buffer to it; a host scalar (a CPU step count) is copied."""
+    for target, value in zip(targets, values):
+        if target.device.type == "xla":
+            _private.update_in_place(target, value)
+        else:
+            with torch.no_grad():
+                target.detach().copy_(value)
 
 
 def _nodes_running(gm: torch.fx.GraphModule, ops: Sequence[str]) -> Optional[frozenset[str]]:

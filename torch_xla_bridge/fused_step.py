@@ -19,6 +19,12 @@ The step is cut (torch_xla's step barrier, which materializes every live tensor)
   updated by hand, no sync): the previous step is synced first, so one step
   never grows into the next.
 
+A compiled optimizer step writes its new parameters and state into them as
+in-place updates before it cuts (AOTAutograd keeps the updates in the graph,
+``keep_inference_input_mutations``, and :class:`DeferredGraph` writes them
+back), so the step's execution donates their old buffers to their new values,
+as it does for an eager optimizer's updates.
+
 A graph that needs no backward and updates none of its inputs (an evaluation
 forward, a checkpointed block's forward under ``no_grad``) joins an open step;
 outside one it executes its own outputs at once, as upstream does.
