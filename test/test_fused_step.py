@@ -472,3 +472,13 @@ def test_compiled_optimizer_updates_parameters_and_momentum_in_place(set_to_none
     donors = sorted(v for _, v in samples[-(count - seen):])
     assert donors == [0, 2 * n_params], donors
     assert_same_training(ours, train(task, UPSTREAM, model=make_model(task), steps=STEPS, set_to_none=set_to_none))
+
+
+def test_graph_returning_its_updated_input_returns_the_new_value():
+    """``a += 1; return a``: the update is written into the input, and the returned tensor is its new value."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda a: a.add_(1), backend=FUSED_STEP, fullgraph=True)
+    t = torch.tensor([0, 1, 2], device=device())
+    for _ in range(4):
+        t = f(t)
+    torch.testing.assert_close(t.cpu(), torch.tensor([4, 5, 6]))

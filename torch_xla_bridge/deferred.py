@@ -328,23 +328,27 @@ def _updates_as_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     """``gm`` with its in-place updates of inputs moved out, and the positions of the inputs they update.
 
     An update is AOTAutograd's ``copy_(input, new value)`` that ends a graph
-    compiled with ``keep_inference_input_mutations`` (nothing reads its
-    result). The returned graph computes the same and returns each new value
+    compiled with ``keep_inference_input_mutations``; a read of its result
+    (the graph returns the input) reads the new value. The returned graph
+    computes the same and returns each new value
     after its own outputs, in the order of the positions; the caller writes
-    them back. ``gm`` itself where it has none, or where one changes a shape
-    or dtype (left to the graph, which then runs unfused).
+    them back (AOTAutograd copies whole values of the same shape and dtype).
+    ``gm`` itself where it has none.
     """
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     copies = [
         n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
-        if _input_behind(n.args[0]) in placeholders and not n.users
+        if _input_behind(n.args[0]) in placeholders
     ]
-    if not copies or not all(_same_meta(n.args[0], n.args[1]) for n in copies):
+    if not copies:
         return gm, ()
     new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     by_name = {n.name: n for n in new.graph.nodes}
     output = new.graph.output_node()
     values = [by_name[n.args[1].name] for n in copies]
+    for n in copies:
+        # A graph that returns the updated input (``a += 1; return a``) returns its new value.
+        by_name[n.name].replace_all_uses_with(by_name[n.args[1].name])
     (outs,) = output.args
     output.args = ((*outs, *values),)
     for n in copies:
@@ -363,12 +367,6 @@ def _input_behind(node: Any) -> Any:
 
 # Ops that return their first argument itself (their schema does not say so).
 _RETURNS_ITS_INPUT = frozenset({torch.ops.xla.dynamo_set_buffer_donor_.default})
-
-
-def _same_meta(a: torch.fx.Node, b: Any) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val") if isinstance(b, torch.fx.Node) else None
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
-            and va.dtype == vb.dtype and va.device == vb.device)
 
 
 def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any]) -> None:
