@@ -94,10 +94,7 @@ def update_in_place(dst: torch.Tensor, src: torch.Tensor) -> None:
     the next sync donates ``dst``'s current buffer to the new value (torch_xla's alias id)."""
     if _is_functional(dst) and _is_functional(src):
         _propagate_xla_data(_from_functional(dst), _from_functional(src))
-        _functionalize_replace(dst, _from_functional(src))
-        _functionalize_commit_update(dst)
-    else:
-        dst.copy_(src)
+    take_value(dst, src)
 
 
 # --- torch: optimizers ----------------------------------------------------------

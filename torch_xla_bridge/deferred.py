@@ -107,7 +107,9 @@ class DeferredGraph:
         unfused_effect: str = UNFUSED_FORWARD,
         validate: bool = False,
     ) -> None:
-        self.gm = gm
+        # Inputs the graph updates in place (AOTAutograd's trailing copy_ into an input, kept in
+        # the graph): lowered as its last outputs, each written back into its input per call.
+        self.gm, self._updated_positions = _updates_as_outputs(gm)
         self.example_inputs = example_inputs
         self.backend = backend
         self.kind = kind
@@ -116,10 +118,6 @@ class DeferredGraph:
         self.upstream_compiler = upstream_compiler
         self.unfused_effect = unfused_effect
         self.validate = validate
-        # Inputs the graph updates in place (AOTAutograd's trailing copy_ into an input, kept in
-        # the graph): lowered as its last outputs, each written back into its input per call.
-        gm, self._updated_positions = _updates_as_outputs(gm)
-        self.gm = gm
         self._signature = _static_signature if _is_static(example_inputs) else _full_signature
         # Per signature: the lowered graph, or why it cannot be lowered (so the
         # probe runs once per signature, not once per call).
@@ -129,10 +127,10 @@ class DeferredGraph:
         # upstream's partitioner to take instead of running the graph again to find them.
         self._fallback_nodes: Optional[frozenset[str]] = None
         # A graph with CPU outputs (a compiled optimizer's step counts): those come from the host.
-        split = host_scalars.split(gm)
+        split = host_scalars.split(self.gm)
         self._split = split if isinstance(split, host_scalars.HostSplit) else None
         # What is lowered: the graph without its host outputs.
-        self._device_gm = self._split.device_gm if self._split else gm
+        self._device_gm = self._split.device_gm if self._split else self.gm
         self._static_reason = (
             off_device_reason(example_inputs) or (split if isinstance(split, str) else None)
             or _unfusable_graph_reason(self._device_gm)
@@ -148,12 +146,7 @@ class DeferredGraph:
             return self._call(args)
         # The updated inputs, before a call clears ``args``.
         targets = [args[i] for i in self._updated_positions]
-        self._deferred_call = False
         outs = list(self._call(args, targets))
-        if not self._deferred_call:  # the unfused path: write back as AOTAutograd would have
-            with torch.no_grad():
-                for target, value in zip(targets, outs[len(outs) - len(targets):]):
-                    target.detach().copy_(value)
         return outs[:len(outs) - len(targets)]
 
     def _call(self, args: list, targets: Sequence[torch.Tensor] = ()) -> Any:
@@ -178,12 +171,13 @@ class DeferredGraph:
                     grad_sync.store_like_a_first_gradient(outs)
                 if self._split:
                     outs = self._split.merge(outs, host)
-                if targets:
-                    self._deferred_call = True
-                    _write_back(targets, outs[len(outs) - len(targets):])
+                _write_back(targets, outs[len(outs) - len(targets):], in_place=True)
                 self.on_pending(pending)
                 return outs
-        return self._run_upstream(args, reason)
+        outs = self._run_upstream(args, reason)
+        # Unfused: copied back after its execution, as AOTAutograd would have.
+        _write_back(targets, outs[len(outs) - len(targets):], in_place=False)
+        return outs
 
     def _validate(self, key: _Signature, pending: list[torch.Tensor], args: Sequence[Any]) -> None:
         """Compiles this call's pending outputs without executing them; raises what XLA rejects.
@@ -369,11 +363,12 @@ def _input_behind(node: Any) -> Any:
 _RETURNS_ITS_INPUT = frozenset({torch.ops.xla.dynamo_set_buffer_donor_.default})
 
 
-def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any]) -> None:
-    """Each target takes its new pending value as an in-place update would (no op), so the step's
-    execution donates the target's buffer to it; a host scalar (a CPU step count) is copied."""
+def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any], in_place: bool) -> None:
+    """Writes each new value into its target. ``in_place``: an XLA target takes its pending value as
+    an in-place update would (no op), so the step's execution donates the target's buffer to it;
+    otherwise, and for a host scalar (a CPU step count), the value is copied."""
     for target, value in zip(targets, values):
-        if target.device.type == "xla":
+        if in_place and target.device.type == "xla":
             _private.update_in_place(target, value)
         else:
             with torch.no_grad():
