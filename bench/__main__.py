@@ -1,10 +1,10 @@
-"""Benchmarks `openxla_fused_grad` against upstream `openxla`, LazyTensor and `torch_xla.compile`.
+"""Benchmarks `openxla_fused_grad` and `openxla_fused_step` against upstream `openxla`, LazyTensor and `torch_xla.compile`.
 
 Every configuration (workload x loop x mode) runs in its own process (see
 `bench/worker.py`); the figures land in `--out` as results.json, results.md,
 steps.png and scaling.png, with ratios to upstream `openxla` for the same
 workload and loop. Then `bench.host_time` (host and device time of a step,
-modes alternated in one process) runs with the same `--quick` and `--out`;
+each mode in a process of its own, turns alternated) runs with the same `--quick` and `--out`;
 `--no-host-time` leaves it out.
 
     python -m bench            # the full run (about 21 minutes on 2 CPU cores, plus 20 for bench.host_time)
@@ -52,7 +52,7 @@ def plan(quick: bool) -> list[dict]:
     if quick:
         # Quick keeps each configuration's own (isolated) step time: no timing processes.
         return configs
-    # Step time: each (workload, loop, micro) group's modes alternated in one process.
+    # Step time: each (workload, loop, micro) group's modes alternated, each in a process of its own.
     groups: dict[tuple, list[str]] = {}
     for c in configs:
         groups.setdefault((c["study"], c["workload"], c["loop"], c.get("micro")), []).append(c["mode"])
@@ -157,7 +157,7 @@ def markdown(results: list[dict], info: dict, quick: bool) -> str:
         "time (time to first step, compiles included) and peak RSS are that "
         "configuration's alone. Step time: median (p25–p75) of synchronous steps after warm-up, "
         + ("measured in each configuration's own process (quick mode)." if quick else
-           "measured with all modes of a row group built in one process and their blocks of steps "
+           "measured with each mode of a row group in a process of its own and their blocks of steps "
            "alternated, so that they share the machine's state.")
         + " Host: Python time until the step's last dispatch. Ratios are to upstream `openxla` on the "
         "same workload and loop; \"vs lazy\" to LazyTensor (`torch_xla.sync()` per step, its optimizer "

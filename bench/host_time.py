@@ -1,4 +1,4 @@
-"""Host time and device time of one training step, per mode and workload, in one process.
+"""Host time and device time of one training step, per mode and workload.
 
 Per workload, one trainer per mode is built first, each in a process of its
 own (bench.worker's `build_step`, loop `zero_grads`: SGD with momentum, the
@@ -51,11 +51,10 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 from bench.loops import LOOPS  # noqa: E402
-from bench.worker import MODES, build_step  # noqa: E402
+from bench.worker import MODES, ROOT, TrainerProcess, build_step, replies_on_stdout  # noqa: E402
 from torch_xla_bridge.counting import executions  # noqa: E402
 from torch_xla_bridge.names import EXECUTE_METRICS, UPSTREAM_BACKEND_NAME  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 BASELINE = UPSTREAM_BACKEND_NAME
 LOOP = "zero_grads"  # set_to_none=False, compiled optimizer (see bench/loops.py)
 JAX_MODE = "jax.jit"
@@ -154,40 +153,20 @@ class Trainer:
 
 def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int,
                      loop: str = LOOP) -> dict:
-    """Each mode's trainer in a process of its own (:func:`serve`), their turns alternated round by round.
-
-    A process per mode, as a user runs one model: a step barrier
-    (``torch_xla.sync()``, the fused step's cut) visits every live XLA tensor
-    of its process, so trainers of the other modes in the same process would
-    make it pay for their tensors too (measured: 25 ms per barrier with
-    15,000 live tensors, none pending). Only the process whose turn it is
-    runs; the others wait on their stdin.
-    """
-    procs = {m: subprocess.Popen([sys.executable, "-m", "bench.host_time", "--serve", m, "--workload", workload,
-                                  "--loop", loop], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
-             for m in modes}
-
-    def ask(mode: str, command: str) -> str:
-        proc = procs[mode]
-        proc.stdin.write(command + "\n")
-        proc.stdin.flush()
-        reply = proc.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"{mode} on {workload}: the trainer's process exited ({proc.wait()}) at {command!r}")
-        return reply
-
+    """Each mode's trainer in a process of its own (:func:`serve`, :class:`bench.worker.TrainerProcess`),
+    their turns alternated round by round."""
+    procs = {m: TrainerProcess(f"{m} on {workload}", "bench.host_time", "--serve", m, "--workload", workload,
+                               "--loop", loop) for m in modes}
     try:
         for m in modes:  # one at a time: compiles do not compete for the cores
-            ask(m, f"warmup {warmup}")
+            procs[m].ask(f"warmup {warmup}")
         for i in range(rounds):
             for m in modes if i % 2 == 0 else modes[::-1]:
-                ask(m, f"turn {steps} {block}")
-        rows = {m: json.loads(ask(m, "summary")) for m in modes}
+                procs[m].ask(f"turn {steps} {block}")
+        rows = {m: json.loads(procs[m].ask("summary")) for m in modes}
     finally:
         for proc in procs.values():
-            proc.stdin.close()
-            proc.wait(timeout=60)
+            proc.close()
     add_ratios(rows)
     return dict(workload=workload, loop=loop, rows=rows)
 
@@ -198,7 +177,7 @@ def serve(mode: str, workload: str, loop: str) -> None:
     ``warmup N``: N steps, drained; ``turn STEPS BLOCK``: STEPS timed steps
     and one pipelined block; ``summary``: the trainer's figures as JSON.
     """
-    out, sys.stdout = sys.stdout, sys.stderr  # replies only on the real stdout
+    out = replies_on_stdout()
     trainer = Trainer(mode, workload, loop)
     for line in sys.stdin:
         command, *counts = line.split()

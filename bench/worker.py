@@ -2,7 +2,8 @@
 
 A process per configuration keeps first-step compile time and peak RSS
 (`ru_maxrss`) attributable to that configuration alone. A configuration with
-`"modes": [...]` instead times those modes side by side (see `run_alternated`).
+`"modes": [...]` instead times those modes, each in a process of its own, their blocks alternated
+(see `run_alternated`).
 
     python -m bench.worker '{"workload": "mlp8x128", "mode": "openxla_fused_grad", "loop": "zero_grads"}'
 """
@@ -13,12 +14,16 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 from bench import memory  # noqa: E402  (no torch_xla)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Before torch_xla is imported (it reads the variables once), and only in a worker process, not when imported.
 ANALYSIS_FILE = memory.enable() if __name__ == "__main__" else None
@@ -156,31 +161,91 @@ def _summary(seconds: list[float]) -> dict[str, float]:
     return dict(step_ms=1e3 * statistics.median(seconds), step_p25_ms=1e3 * q[0], step_p75_ms=1e3 * q[2])
 
 
-def run_alternated(cfg: dict) -> dict:
-    """Step time of several modes built side by side in one process, their blocks alternated.
+class TrainerProcess:
+    """A trainer in a process of its own (``python -m MODULE ARGS...``), run by commands on its stdin.
 
-    Separate processes differ by more than the backends do (memory layout,
-    clocks); alternating blocks in one process exposes every mode to the same
-    machine state, which is what the step-time ratios need.
+    Invariant: one reply line on its stdout per command; anything else it
+    prints goes to its stderr. A process per mode, as a user runs one model: a
+    step barrier (``torch_xla.sync()``, the fused step's cut) visits every live
+    XLA tensor of its process, so trainers of other modes in the same process
+    would make it pay for their tensors too (measured: 25 ms per barrier with
+    15,000 live tensors, none pending). Only the process asked runs; the
+    others wait on their stdin.
     """
-    steps = {m: build_step(dict(cfg, mode=m))[0] for m in cfg["modes"]}
-    block, blocks = cfg.get("block", 5), cfg.get("blocks", 8)
-    for step in steps.values():
-        for _ in range(cfg.get("warmup", 3)):
+
+    def __init__(self, name: str, module: str, *args: str) -> None:
+        self.name = name
+        env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"{self.name}: the trainer's process exited ({self.proc.wait()}) at {command!r}")
+        return reply
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def replies_on_stdout() -> Any:
+    """In a served process: the real stdout, for replies; ``sys.stdout`` (prints, warnings) goes to stderr."""
+    out, sys.stdout = sys.stdout, sys.stderr
+    return out
+
+
+def serve(cfg: dict) -> None:
+    """One mode's step (``build_step(cfg)``) on command from stdin (see :class:`TrainerProcess`).
+
+    ``warmup N``: N steps, drained; ``block N``: N steps, each waited for,
+    their seconds as a JSON list.
+    """
+    out = replies_on_stdout()
+    step, _ = build_step(cfg)
+    for line in sys.stdin:
+        command, n = line.split()
+        times = []
+        for _ in range(int(n)):
+            t0 = time.perf_counter()
             step()
-    xm.wait_device_ops()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for i in range(blocks):
-        order = list(steps) if i % 2 == 0 else list(steps)[::-1]
-        for m in order:
-            for _ in range(block):
-                t0 = time.perf_counter()
-                steps[m]()
-                xm.wait_device_ops()
-                times[m].append(time.perf_counter() - t0)
+            xm.wait_device_ops()
+            times.append(time.perf_counter() - t0)
+        out.write(("ok" if command == "warmup" else json.dumps(times)) + "\n")
+        out.flush()
+
+
+def run_alternated(cfg: dict) -> dict:
+    """Step time of several modes, each in a process of its own, their blocks alternated.
+
+    Separate runs differ by more than the backends do (machine state,
+    clocks); alternating blocks exposes every mode to the same machine state,
+    which is what the step-time ratios need.
+    """
+    modes = cfg["modes"]
+    procs = {m: TrainerProcess(f"{m} on {cfg['workload']}", "bench.worker", "--serve",
+                               json.dumps(dict({k: v for k, v in cfg.items() if k != "modes"}, mode=m)))
+             for m in modes}
+    block, blocks = cfg.get("block", 5), cfg.get("blocks", 8)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for m in modes:  # one at a time: compiles do not compete for the cores
+            procs[m].ask(f"warmup {cfg.get('warmup', 3)}")
+        for i in range(blocks):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                times[m] += json.loads(procs[m].ask(f"block {block}"))
+    finally:
+        for p in procs.values():
+            p.close()
     return dict(cfg, timing={m: _summary(t) for m, t in times.items()})
 
 
 if __name__ == "__main__":
-    cfg = json.loads(sys.argv[1])
-    print(json.dumps(run_alternated(cfg) if "modes" in cfg else run(cfg)))
+    if sys.argv[1] == "--serve":
+        serve(json.loads(sys.argv[2]))
+    else:
+        cfg = json.loads(sys.argv[1])
+        print(json.dumps(run_alternated(cfg) if "modes" in cfg else run(cfg)))

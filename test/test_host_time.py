@@ -48,3 +48,17 @@ def test_host_time_report(tmp_path: pathlib.Path) -> None:
     # (unless this interpreter does have jax).
     if "jax.jit" not in rows:
         assert report["jax_note"] == "jax not available"
+
+
+def test_step_time_alternates_modes_each_in_a_process_of_its_own() -> None:
+    # bench.worker's step time (results.md): every block is one reply of that mode's own trainer process.
+    cfg = dict(workload="bank10", loop="zero_grads", modes=[UPSTREAM_BACKEND_NAME, STEP_BACKEND_NAME],
+               warmup=1, blocks=2, block=2)
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    proc = subprocess.run([sys.executable, "-m", "bench.worker", json.dumps(cfg)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    timing = json.loads(proc.stdout.splitlines()[-1])["timing"]
+    assert set(timing) == set(cfg["modes"])
+    for mode, t in timing.items():
+        assert 0 < t["step_p25_ms"] <= t["step_ms"] <= t["step_p75_ms"], (mode, t)
