@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 from bench import memory  # noqa: E402  (no torch_xla)
@@ -192,7 +192,7 @@ class TrainerProcess:
         self.proc.wait(timeout=60)
 
 
-def replies_on_stdout() -> Any:
+def replies_on_stdout() -> TextIO:
     """In a served process: the real stdout, for replies; ``sys.stdout`` (prints, warnings) goes to stderr."""
     out, sys.stdout = sys.stdout, sys.stderr
     return out
