@@ -7,7 +7,7 @@ workload and loop. Then `bench.host_time` (host and device time of a step,
 each mode in a process of its own, turns alternated) runs with the same `--quick` and `--out`;
 `--no-host-time` leaves it out.
 
-    python -m bench            # the full run (about 21 minutes on 2 CPU cores, plus 20 for bench.host_time)
+    python -m bench            # the full run (about 34 minutes on 2 CPU cores, plus 9 for bench.host_time)
     python -m bench --quick    # about 3.5 minutes, plus 2 for bench.host_time --quick
 """
 
