@@ -24,11 +24,10 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
+from bench import ROOT
 from bench.loops import LOOPS, traced_equivalent
 from bench.worker import DYNAMO_MODES, MODES
 from torch_xla_bridge.names import BACKEND_NAME, UPSTREAM_BACKEND_NAME
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def plan(quick: bool) -> list[dict]:

@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import ROOT
+
 MODES = ("openxla", "openxla_fused_grad", "openxla_fused_step")
 SCRIPTS = ("nanogpt_shaped", "train_causal_lm", "train_resnet")
 

@@ -49,7 +49,8 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import ROOT  # noqa: E402
+
 FUNCTIONALIZATION_ENV = "XLA_DISABLE_FUNCTIONALIZATION"
 # The loop's ops per parameter per step, and how many of each a fused step makes.
 FLOOR = {"zero_": 1, "accumulate": 1, "param write-back": 1, "state write-back": 1, "sync per pending tensor": 3}

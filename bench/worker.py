@@ -17,13 +17,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, TextIO
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-from bench import memory  # noqa: E402  (no torch_xla)
+from bench import ROOT, memory  # noqa: E402  (no torch_xla)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # Before torch_xla is imported (it reads the variables once), and only in a worker process, not when imported.
 ANALYSIS_FILE = memory.enable() if __name__ == "__main__" else None
