@@ -50,8 +50,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
-from bench.loops import LOOPS  # noqa: E402
 from bench import ROOT  # noqa: E402
+from bench.loops import LOOPS  # noqa: E402
 from bench.worker import MODES, TrainerProcess, build_step, replies_on_stdout  # noqa: E402
 from torch_xla_bridge.counting import executions  # noqa: E402
 from torch_xla_bridge.names import EXECUTE_METRICS, UPSTREAM_BACKEND_NAME  # noqa: E402
