@@ -16,6 +16,7 @@ import pytest
 from limits import HANG_TIMEOUT_S
 from torch_xla_bridge.explain import events as ev
 from torch_xla_bridge.explain.build import ReportBuilder, build, classify
+from torch_xla_bridge.explain.render import format_text
 from torch_xla_bridge.explain.report import FUSED_GRAD, FUSED_STEP, Cause, predict
 from torch_xla_bridge.names import FORWARD_ALONE_COUNTER, INPUT_SYNC_COUNTER, STEP_COUNTER, SYNC_COUNTER
 
@@ -234,10 +235,25 @@ def test_bridge_compile_sync_that_ran_a_pending_grad_is_gradient_accumulation():
     assert step.executions[0].detail.endswith("; it executed the pending .grad of 2 leaves (w, b)")
 
 
+GAVE_UP = ev.DynamoGaveUp("'step' (adam.py:213)", "recompile_limit=8", "betas[0] == 0.9", "openxla", optimizer=True)
+
+
+def test_dynamo_give_up_labels_its_step_and_every_later_one():
+    """The give-up comes while dynamo compiles the call that failed its guards: after an ended step, that
+    call opens the next step, the first to run the function eagerly; later steps carry it as a fallback."""
+    report = build(finished(fused_grad_step() + [GAVE_UP] + fused_grad_step() * 2))
+    assert [len(s.dynamo_gave_up) for s in report.steps] == [0, 1, 0]
+    assert "'step' (adam.py:213): recompile_limit=8, last guard failure: betas[0] == 0.9" == report.steps[1].dynamo_gave_up[0]
+    assert [s.dynamo_eager for s in report.steps] == [[], ["'step' (adam.py:213)"], ["'step' (adam.py:213)"]]
+    assert [s.eager_optimizer_step for s in report.steps] == [False, True, True]
+    assert "dynamo stopped compiling 'step'" in format_text(report)
+    assert "dynamo fallback: runs eagerly where no compilation fits: 'step'" in format_text(report)
+
+
 def test_events_round_trip_through_json():
     events = finished(
-        upstream_step() + lazy_iteration() + [ev.EqualLeaves([["wte", "head"]]), ev.ManualSteps(), ev.StepMarked(),
-                                               ev.Stopped(1)],
+        upstream_step() + [GAVE_UP] + lazy_iteration()
+        + [ev.EqualLeaves([["wte", "head"]]), ev.ManualSteps(), ev.StepMarked(), ev.Stopped(1)],
         raised=True,
     )
     assert {type(e) for e in events} == set(ev.Event.__args__)  # every kind of event

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -180,6 +181,41 @@ def last_guard_failure() -> Optional[str]:
         return None
     reasons = _guard_failures.get(code)
     return reasons[-1] if reasons else None
+
+
+# --- torch: dynamo giving up on a frame ------------------------------------------
+
+# The logger of dynamo's "hit config.recompile_limit" warning, the only report of a give-up that
+# names the function, the limit and the last guard failure; its args are those, in that order.
+DYNAMO_FRAME_LOGGER = "torch._dynamo.convert_frame"
+_RECOMPILE_LIMIT_MESSAGE = "torch._dynamo hit config."
+# dynamo's compile of one frame, whose frame holds the compiled frame's locals and the backend.
+_dynamo_compile_code: types.CodeType = _torch("_dynamo.convert_frame._compile").__code__
+if not {"locals", "compiler_fn"} <= set(_dynamo_compile_code.co_varnames):
+    raise _missing("torch", TORCH_VERSION, torch.__version__, "torch._dynamo.convert_frame._compile's locals changed")
+
+
+def recompile_limit_hit(record: logging.LogRecord) -> Optional[tuple[str, Any, str, str]]:
+    """(limit's config name, its value, the function, the last guard failure) if ``record`` is dynamo's
+    warning that it stops compiling a function, else None."""
+    msg, args = record.msg, record.args
+    if not (isinstance(msg, str) and msg.startswith(_RECOMPILE_LIMIT_MESSAGE)) or not isinstance(args, tuple):
+        return None
+    if len(args) < 4:
+        return None
+    limit, value, function, reason = args[:4]
+    return str(limit), value, str(function), str(reason)
+
+
+def frame_being_compiled() -> tuple[dict[str, Any], str]:
+    """Inside dynamo's compile of a frame: that frame's locals and the backend's name; ({}, "") elsewhere."""
+    f: Optional[types.FrameType] = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _dynamo_compile_code:
+            local = f.f_locals
+            return dict(local.get("locals") or {}), str(getattr(local.get("compiler_fn"), "__name__", ""))
+        f = f.f_back
+    return {}, ""
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:

@@ -12,6 +12,8 @@ modules listed after it):
   bridge, with its SPMD handling;
 - :mod:`.optimizer_sync`: ``openxla_fused_grad``'s step barrier after an
   eager optimizer step (no step grows into the next);
+- :mod:`.dynamo_fallback`: when dynamo gives up on a function (its
+  ``recompile_limit``): the optimizer's step counts, and the one warning;
 - :mod:`.grad_sync`: the one sync, and the end-of-backward engine callback;
 - :mod:`.counting`, :mod:`._private`, :mod:`.names`: counting executions,
   private torch/torch_xla APIs, names and pins.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -62,6 +65,41 @@ def register() -> None:
     for name, compiler_fn in _BACKENDS.items():
         if name not in known:
             register_backend(compiler_fn=compiler_fn, name=name)
+    _listen()
+
+
+def _listen() -> None:
+    """Keeps :func:`_at_compile_start` among dynamo's compile-start callbacks, which ``torch._dynamo.reset()``
+    clears (each graph compiled here registers it again)."""
+    if _at_compile_start not in torch._dynamo.callback_handler.start_callbacks:
+        torch._dynamo.callback_handler.register_start_callback(_at_compile_start)
+
+
+def _at_compile_start(args: Any = None) -> None:
+    """dynamo's compile-start callback: a frame compiled with one of the backends marks its parameters as
+    trained with it and registers the backend's optimizer hook, before dynamo traces anything.
+
+    So the step policies hold where dynamo then compiles no graph of the frame
+    (a graph break it cannot resume) or gives up on it later
+    (:mod:`.dynamo_fallback`). Nothing before torch_xla is imported: no XLA
+    tensor exists then, and importing torch_xla stays the user's choice.
+    After ``torch._dynamo.reset()`` it runs again from the next graph compiled
+    here on (:func:`_upstream_or_none`), so a model of which dynamo compiles no
+    graph at all, first compiled after a reset, trains as upstream does.
+    """
+    if sys.modules.get("torch_xla") is None:  # not imported (or made unimportable)
+        return
+    from . import dynamo_fallback
+
+    backend = dynamo_fallback.frame_started()
+    if backend == STEP_BACKEND_NAME:
+        from . import fused_step
+
+        fused_step.register_optimizer_hooks()
+    elif backend == BACKEND_NAME:
+        from . import optimizer_sync
+
+        optimizer_sync.register_hook()
 
 
 def openxla_fused_grad(
@@ -152,6 +190,8 @@ def _upstream_or_none(
     require_torch_xla(backend)
     from . import dynamo_bridge
 
+    _listen()
+    _at_compile_start()
     _warn_if_recompiled_for_a_float(backend)
 
     dynamo_bridge.check_inputs_on_xla(gm, example_inputs, backend)

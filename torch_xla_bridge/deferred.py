@@ -78,6 +78,27 @@ def off_device_reason(example_inputs: Sequence[Any]) -> Optional[str]:
     return None
 
 
+def updated_inputs() -> Optional[tuple[int, ...]]:
+    """While AOTAutograd compiles a graph: the positions of the inputs it writes into, None if unknown.
+
+    Read from AOTAutograd's metadata for the graph being compiled.
+    """
+    meta = _private.aot_fw_metadata()
+    if meta is None:
+        return None
+    return tuple(i for i, info in enumerate(meta.input_info) if info.mutates_data)
+
+
+def updates_inputs(updated: Optional[tuple[int, ...]]) -> bool:
+    """Whether an inference graph writes into one of its inputs (where unknown, assume it does).
+
+    Such a graph is an optimizer step (it writes parameters and optimizer
+    state) or another update of state (a cache's ``index_copy_``), which ends
+    the step as upstream's execution would.
+    """
+    return updated is None or bool(updated)
+
+
 class DeferredGraph:
     """Runs an AOTAutograd graph as one pending XLA node per call.
 

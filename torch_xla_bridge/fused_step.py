@@ -17,7 +17,12 @@ The step is cut (torch_xla's step barrier, which materializes every live tensor)
 - at ``torch_xla.sync()`` / ``xm.mark_step()``, as with any lazy tensor;
 - before a forward whose parameters hold pending updates (e.g. parameters
   updated by hand, no sync): the previous step is synced first, so one step
-  never grows into the next.
+  never grows into the next;
+- where dynamo runs part of the loop eagerly (it gave up on a function at its
+  ``recompile_limit``, a disabled block, a graph break it cannot resume): an
+  eager optimizer step whose parameters are trained with this backend still
+  ends the step (:mod:`.dynamo_fallback`), also where dynamo compiled the
+  optimizer's wrapper and runs the step itself eagerly.
 
 A compiled optimizer step writes its new parameters and state into them as
 in-place updates before it cuts (AOTAutograd keeps the updates in the graph,
@@ -51,7 +56,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, counting, deferred, dynamo_bridge, grad_sync
+from . import _private, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, optimizer_sync
 from .deferred import DeferredGraph
 from .dynamo_bridge import boxed
 from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
@@ -201,16 +206,24 @@ def _current_step() -> _Step:
     return step
 
 
+@torch._dynamo.disable
 def _cut_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step post-hook: an optimizer step ends the pending step of this backend.
 
-    A no-op while dynamo traces (a compiled ``optimizer.step`` cuts in its own
-    graph) and when no step of this backend is pending, so optimizers trained
-    with other backends, or none, are not affected.
+    Cuts when the optimizer's update is pending (it ran eagerly) and either a
+    step of this backend is pending, or its parameters are trained with this
+    backend although no graph of it ran (dynamo runs the forward eagerly:
+    :mod:`.dynamo_fallback`): the step is cut here all the same. A no-op otherwise: a compiled optimizer step of
+    this backend cut the step in its own graph, and optimizers trained with
+    other backends, or none, are not affected. Disabled for dynamo, so it runs when the step ends
+    even where dynamo compiled the optimizer's wrapper but runs the step
+    itself eagerly (it gave up on the step).
     """
-    if torch.compiler.is_compiling():
+    if not _open and dynamo_fallback.trained_with(optimizer) != STEP_BACKEND_NAME:
         return
-    if _open:
+    # An update compiled with another backend executed it and the step's pending work with it:
+    # the next forward notices (_Pair.check_uncut_step), as without this hook.
+    if optimizer_sync.update_pending(optimizer):
         end_step()
 
 
@@ -284,7 +297,7 @@ _state_created: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _optimizer_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
 
-def _register_optimizer_hook() -> None:
+def register_optimizer_hooks() -> None:
     """Registers :func:`_create_state_before_first_step` and :func:`_cut_after_optimizer_step` once per process."""
     if not _optimizer_hooks:
         _optimizer_hooks.append(register_optimizer_step_pre_hook(_create_state_before_first_step))
@@ -305,27 +318,6 @@ def _in_training(args: Sequence[Any]) -> bool:
     part of a training step: a checkpointed block, whose backward recomputes it.
     """
     return any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter) for a in args)
-
-
-def _updated_inputs() -> Optional[tuple[int, ...]]:
-    """While AOTAutograd compiles a graph: the positions of the inputs it writes into, None if unknown.
-
-    Read from AOTAutograd's metadata for the graph being compiled.
-    """
-    meta = _private.aot_fw_metadata()
-    if meta is None:
-        return None
-    return tuple(i for i, info in enumerate(meta.input_info) if info.mutates_data)
-
-
-def _updates_inputs(updated: Optional[tuple[int, ...]]) -> bool:
-    """Whether an inference graph writes into one of its inputs (where unknown, assume it does).
-
-    Such a graph is an optimizer step (it writes parameters and optimizer
-    state) or another update of state (a cache's ``index_copy_``), which ends
-    the step as upstream's execution would.
-    """
-    return updated is None or bool(updated)
 
 
 class _FreshState:
@@ -412,11 +404,11 @@ def compilers() -> dict[str, deferred.Compiler]:
     pending, executes its own outputs (and nothing else) at once; one whose
     inputs carry autograd history opens the step (see :func:`_in_training`).
     """
-    _register_optimizer_hook()
+    register_optimizer_hooks()
     pair = _Pair()
 
     def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
-        fresh_state = _FreshState(_updated_inputs())
+        fresh_state = _FreshState(deferred.updated_inputs())
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
             on_pending=pair.forward_pending, validate=True,
@@ -449,8 +441,8 @@ def compilers() -> dict[str, deferred.Compiler]:
         common = dict(backend=STEP_BACKEND_NAME, kind="no-backward", validate=True,
                       upstream_compiler=_compile_upstream_after_cut,
                       unfused_effect="the step is synced before it, and it executes on its own")
-        updated = _updated_inputs()
-        if _updates_inputs(updated):
+        updated = deferred.updated_inputs()
+        if deferred.updates_inputs(updated):
             update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
             fresh_state = _FreshState(updated)
 

@@ -27,6 +27,9 @@ FORWARD_ALONE_COUNTER = "OpenxlaFusedStepForwardAlone"
 # Every execution of openxla_fused_step that gives state still held as constants (fresh optimizer
 # buffers, BatchNorm's 0-d counter) buffers of its own before the first step reads them.
 FRESH_STATE_COUNTER = "OpenxlaFusedStepFreshState"
+# Every time dynamo gave up on a function compiled with one of the backends (recompile_limit):
+# from then on it runs eagerly (dynamo_fallback.py).
+DYNAMO_GAVE_UP_COUNTER = "OpenxlaFusedDynamoGaveUp"
 # Every compile that only validates a new lowering: it shows in UncachedCompile but launches nothing.
 VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 

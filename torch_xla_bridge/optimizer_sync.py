@@ -23,9 +23,20 @@ own ``torch_xla.sync()`` (an EMA of the weights, a graph writing its inputs),
 that work is one execution of its own.
 
 A no-op while no backward of this backend ran since the last step barrier (so
-optimizers trained with other backends, or none, are not affected), while
-dynamo traces (a compiled ``optimizer.step`` leaves no lazy update), and
-inside ``torch_xla.compile(fn)``, whose own sync ends the step.
+optimizers trained with other backends, or none, are not affected), after a
+compiled ``optimizer.step`` (its graph leaves no lazy update), and inside
+``torch_xla.compile(fn)``, whose own sync ends the step.
+
+When dynamo gives up on part of the loop (``recompile_limit``), that part runs
+eagerly, and the barrier follows from what then runs: an optimizer step that
+dynamo no longer compiles is an eager step after a fused backward; after a
+forward it no longer compiles (no backward of this backend ran), an optimizer
+whose parameters are trained with this backend (:mod:`.dynamo_fallback`) ends
+its step with a barrier when its update is pending (:func:`update_pending`),
+so no step grows into the next. The hook is
+disabled for dynamo (``torch._dynamo.disable``), so it runs when the step ends
+even where dynamo compiled the optimizer's wrapper and runs the step itself
+eagerly.
 """
 
 from __future__ import annotations
@@ -39,8 +50,8 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _private, counting, grad_sync
-from .names import OPTIMIZER_SYNC_COUNTER
+from . import _private, counting, dynamo_fallback, grad_sync
+from .names import BACKEND_NAME, OPTIMIZER_SYNC_COUNTER
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +74,42 @@ class _Trained:
 _since_barrier: weakref.WeakSet[_Trained] = weakref.WeakSet()
 
 
+def update_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """At the end of ``optimizer``'s step: its update is pending IR, as an eager step leaves it.
+
+    A compiled step (with any backend) leaves its parameters as device data.
+    Reads one parameter, the first with a gradient: a step updates every
+    parameter with a gradient, all eagerly or all in one compiled graph.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return p.device.type == "xla" and _private.need_materialization([p])[0]
+    return False
+
+
 def backward_deferred(outputs: Sequence[torch.Tensor]) -> None:
     """``on_pending`` of a deferred backward: :func:`grad_sync.sync_at_end_of_backward`, with the step marked."""
     if not _since_barrier:
         marker = _Trained()
         _since_barrier.add(marker)
         xm.add_step_closure(marker.at_barrier)
-    _register_hook()
+    register_hook()
     grad_sync.sync_at_end_of_backward(outputs)
 
 
+@torch._dynamo.disable
 def _barrier_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step post-hook: after a backward of this backend, the step ends (module docstring)."""
-    if torch.compiler.is_compiling() or not _since_barrier or not _private.execution_allowed():
+    """Global optimizer step post-hook: after a backward of this backend, the step ends (module docstring).
+
+    Disabled for dynamo, so it runs when the step ends even where dynamo
+    compiled the code around the step but runs the step itself eagerly.
+    """
+    if not _since_barrier and dynamo_fallback.trained_with(optimizer) != BACKEND_NAME:
         return
-    log.debug("eager optimizer step after a fused backward: syncing the step")
+    if not update_pending(optimizer) or not _private.execution_allowed():
+        return
+    log.debug("optimizer step ended with its update pending: syncing the step")
     counting.bump(OPTIMIZER_SYNC_COUNTER)
     # Keep a user's profiler scope (xp.Trace around the step), as upstream's bridge does.
     torch_xla.sync(reset_scope=False)
@@ -86,7 +118,7 @@ def _barrier_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, k
 _hook: Optional[torch.utils.hooks.RemovableHandle] = None
 
 
-def _register_hook() -> None:
+def register_hook() -> None:
     """Registers :func:`_barrier_after_optimizer_step` once per process."""
     global _hook
     if _hook is None:

@@ -173,6 +173,7 @@ class ReportBuilder:
         # backend's fused backward removes.
         self._compiled_backward = True
         self._counted = dict.fromkeys(COUNTED, 0)
+        self._gave_up: list[ev.DynamoGaveUp] = []  # every give-up so far, carried into each new step
 
     @property
     def closed_steps(self) -> int:
@@ -269,6 +270,18 @@ class ReportBuilder:
     def _on_EqualLeaves(self, e: ev.EqualLeaves) -> None:
         self.report.equal_leaves = [list(g) for g in e.groups]
 
+    def _on_DynamoGaveUp(self, e: ev.DynamoGaveUp) -> None:
+        # Reported while dynamo compiles the call that failed its guards: after an ended step, that
+        # call (a forward) opens the next step, which is the first to run the function eagerly.
+        self._opening(True)
+        self._gave_up.append(e)
+        self._step.dynamo_gave_up.append(f"{e.function}: {e.limit}, last guard failure: {e.guard}")
+        self._carry_gave_up(self._step)
+
+    def _carry_gave_up(self, step: Step) -> None:
+        step.dynamo_eager = [e.function for e in self._gave_up]
+        step.eager_optimizer_step = any(e.optimizer for e in self._gave_up)
+
     def _on_ManualSteps(self, e: ev.ManualSteps) -> None:
         self._manual = True
 
@@ -300,6 +313,7 @@ class ReportBuilder:
             return  # set-up (data, a first sync): part of the next step
         self.report.steps.append(step)
         self._step = Step(step.number + 1)
+        self._carry_gave_up(self._step)
 
 
 def build(events: Iterable[ev.Event]) -> ExecutionReport:

@@ -112,6 +112,18 @@ class EqualLeaves:
 
 
 @dataclasses.dataclass
+class DynamoGaveUp:
+    """Dynamo stopped compiling ``function`` (its recompile limit): from now on it runs eagerly wherever no
+    earlier compilation's guards hold."""
+
+    function: str = ""  # as dynamo names it: "'step' (.../adam.py:213)"
+    limit: str = ""  # "recompile_limit=8"
+    guard: str = ""  # the guard that failed last
+    backend: str = ""  # the backend it was compiled with
+    optimizer: bool = False  # the function is an optimizer's step
+
+
+@dataclasses.dataclass
 class ManualSteps:
     """The first ``Explainer.step()``: from here on only StepMarked ends a step."""
 
@@ -138,7 +150,7 @@ class Finished:
 
 Event = Union[
     Gap, CallStarted, CallReturned, OptimizerStepped, BackwardStarted, BackwardEnded, EqualLeaves,
-    ManualSteps, StepMarked, Stopped, Finished,
+    DynamoGaveUp, ManualSteps, StepMarked, Stopped, Finished,
 ]
 _TYPES: dict[str, type] = {t.__name__: t for t in Event.__args__}  # type: ignore[attr-defined]
 

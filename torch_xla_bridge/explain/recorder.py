@@ -47,7 +47,7 @@ import torch.optim.optimizer as optim_hooks
 import torch_xla
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import _private, counting
+from .. import _private, counting, dynamo_fallback
 from ..names import FORWARD_ALONE_COUNTER, SYNC_COUNTER
 from . import analysis as xla_analysis
 from . import events as ev
@@ -106,6 +106,24 @@ def _equal_leaves(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> list[
     return groups
 
 
+class _GaveUpFilter(logging.Filter):
+    """Records a :class:`~.events.DynamoGaveUp` for dynamo's warning that it stops compiling a function
+    (any backend); lets every record through."""
+
+    def __init__(self, explainer: "Explainer") -> None:
+        super().__init__()
+        self.explainer = explainer
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        hit = _private.recompile_limit_hit(record)
+        if hit is not None:
+            limit, value, function, guard = hit
+            local, backend = _private.frame_being_compiled()
+            optimizer = dynamo_fallback.optimizer_of(local) is not None
+            self.explainer._emit(ev.DynamoGaveUp(function, f"{limit}={value}", guard, backend, optimizer))
+        return True
+
+
 class Explainer:
     """Records events while active (a context manager): :attr:`events`, and :attr:`report` built from them.
 
@@ -148,6 +166,7 @@ class Explainer:
         self._originals: dict[str, Callable] = {}
         self._hook: Any = None
         self._ties_checked = False
+        self._gave_up = _GaveUpFilter(self)
 
     # --- activation ---------------------------------------------------------------
 
@@ -167,6 +186,7 @@ class Explainer:
         steps = self._optimizer_steps
         # Kept trivially traceable: under a compiled optimizer step dynamo replays the append.
         self._hook = optim_hooks.register_optimizer_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+        logging.getLogger(_private.DYNAMO_FRAME_LOGGER).addFilter(self._gave_up)
         _active = self
         return self
 
@@ -189,6 +209,7 @@ class Explainer:
                 setattr(torch_xla._XLAC, name, self._originals[name])
             torch.autograd.backward = self._originals["backward"]
             self._hook.remove()
+            logging.getLogger(_private.DYNAMO_FRAME_LOGGER).removeFilter(self._gave_up)
             _active = None
         return exc_type is not None and issubclass(exc_type, StopExplain)
 

@@ -40,6 +40,14 @@ def _step_title(step: Step) -> str:
     return title
 
 
+def _dynamo_lines(step: Step) -> list[str]:
+    """Where dynamo gave up on a function: in the step it did, and where it runs eagerly from then on."""
+    lines = [f"dynamo stopped compiling {g}" for g in step.dynamo_gave_up]
+    if step.dynamo_eager and not step.dynamo_gave_up:
+        lines.append(f"dynamo fallback: runs eagerly where no compilation fits: {', '.join(step.dynamo_eager)}")
+    return lines
+
+
 def _pending_line(step: Step) -> Optional[str]:
     if not step.pending_grads:
         return None
@@ -84,6 +92,7 @@ def format_text(report: ExecutionReport, graph: Optional[GradGraph] = None) -> s
         pending = _pending_line(step)
         if pending:
             out.append("  " + pending)
+        out += ["  " + line for line in _dynamo_lines(step)]
         out.append("")
     if graph is not None:
         out += [graph.text(), ""]
@@ -113,6 +122,8 @@ def print_report(report: ExecutionReport, graph: Optional[GradGraph] = None, fil
         pending = _pending_line(step)
         if pending:
             console.print(pending, style="yellow", markup=False, soft_wrap=True)
+        for line in _dynamo_lines(step):
+            console.print(line, style="yellow", markup=False, soft_wrap=True)
     if graph is not None:
         console.print(graph.text(), markup=False)
     for line in _footer(report):

@@ -92,6 +92,9 @@ def predict(step: "Step") -> list[Prediction]:
     range, from all fused to all run as upstream runs them (each after the cut),
     for ``openxla_fused_grad`` too (one dynamo graph that upstream splits around
     CPU ops is one execution there, with what was pending when the step began).
+    Where dynamo gave up on a compiled optimizer step, the reads it makes inside
+    it (its step counts, left on the device) are not predicted: both fused
+    backends put those counts back on the host.
     A read that executed nothing in the explained run is not seen: under
     ``openxla_fused_grad`` (whose backward leaves nothing pending) that
     prediction is only a lower bound, and says so. A run under
@@ -106,7 +109,11 @@ def predict(step: "Step") -> list[Prediction]:
         ends = [i for i, e in enumerate(step.executions) if e.cause in _STEP_ENDS]
         end = ends[-1] if ends else len(step.executions)
     before = step.executions[:end]
-    reads = [i for i, e in enumerate(before) if e.cause in _READS]
+    # Where dynamo gave up on a compiled optimizer step, the eager step reads its step counts, which
+    # dynamo had moved onto the device, one execution each; both fused backends move them back to
+    # the host when dynamo gives up (as an optimizer never compiled keeps them): no such read.
+    counts_read = [e for e in before if step.eager_optimizer_step and e.in_optimizer and e.cause in _READS]
+    reads = [i for i, e in enumerate(before) if e.cause in _READS and not (e in counts_read)]
     # A read between a forward and the cut makes that backend execute the forward on its own.
     alone = sum(e.cause is Cause.FORWARD for e in before[: reads[-1]]) if reads else 0
     low = 1 + len(reads) + alone
@@ -118,7 +125,7 @@ def predict(step: "Step") -> list[Prediction]:
             f"under {FUSED_GRAD} a read before the optimizer step executes nothing, so is not seen; "
             f"explain under openxla for an exact count",
         )
-    fused_grad_total = step.total - len(step.avoidable)
+    fused_grad_total = step.total - len(step.avoidable) - len(counts_read)
     fused_grad = Prediction(FUSED_GRAD, fused_grad_total, fused_grad_total)
     eager_optimizer = step.optimizer_end is not None and not any(e.cause is Cause.OPTIMIZER for e in step.executions)
     if eager_optimizer and not any(e.detail.startswith(FUSED_GRAD_SYNC) for e in step.executions):
@@ -222,6 +229,12 @@ class Step:
     backward_passes: int = 0
     optimizer_steps: int = 0
     complete: bool = True
+    # Functions dynamo gave up compiling in this step (recompile_limit), as "function: limit, guard".
+    dynamo_gave_up: list[str] = dataclasses.field(default_factory=list)
+    # Functions dynamo had given up on by this step: they run eagerly wherever no compilation fits.
+    dynamo_eager: list[str] = dataclasses.field(default_factory=list)
+    # One of those is an optimizer step (its device step counts are read one by one where it runs eagerly).
+    eager_optimizer_step: bool = False
 
     @property
     def total(self) -> int:
@@ -242,6 +255,8 @@ class Step:
             "pending_grads": list(self.pending_grads),
             "grads_in_cut": list(self.grads_in_cut),
             "optimizer_end": self.optimizer_end,
+            "dynamo_gave_up": list(self.dynamo_gave_up),
+            "dynamo_eager": list(self.dynamo_eager),
             "predicted": {p.backend: p.to_dict() for p in predict(self)},
             "executions": [e.to_dict() for e in self.executions],
         }
