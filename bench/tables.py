@@ -12,8 +12,9 @@ from `bench.per_op`, spmd.json from `bench.spmd --json`) in two forms, both writ
 
   NAME is a key of REGIONS;
 - a figure in prose, ``<!--fig:SPEC-->0.63x<!--/fig-->``, where SPEC is a path into a
-  results file (see `figure`), e.g. ``host/mlp32x256/openxla_fused_step/host_ratio``, or
-  ``range:`` and a path with ``{a,b}`` alternatives, rendered as the lowest and highest value.
+  results file (see `figure`), e.g. ``host/mlp32x256/openxla_fused_step/host_ratio``;
+  ``range:`` and a path with ``{a,b}`` alternatives, rendered as the lowest and highest
+  value; ``ratio:PATH:PATH``; or ``@NAME``, a figure derived from several (DERIVED).
 
 The result pages (docs/benchmarks/results.md, host_time.md, per_op.md) are the bench's own
 renderings of their JSON, rewritten here too.
@@ -85,14 +86,16 @@ class Data:
     def host_row(self, workload: str, mode: str) -> dict:
         for w in self.host["workloads"]:
             if w["workload"] == workload:
+                if mode not in w["rows"]:
+                    raise KeyError(f"host_time.json: no mode {mode} on {workload}")
                 return w["rows"][mode]
         raise KeyError(f"host_time.json: no workload {workload}")
 
-    def host_workloads(self) -> list[str]:
-        return [w["workload"] for w in self.host["workloads"]]
-
     def per_op_run(self, functionalization: bool) -> dict:
-        return next(r for r in self.per_op["runs"] if r["functionalization"] is functionalization)
+        for r in self.per_op["runs"]:
+            if r["functionalization"] is functionalization:
+                return r
+        raise KeyError(f"per_op.json: no run with functionalization {'on' if functionalization else 'off'}")
 
     def spmd_row(self, layout: str, loop: str) -> dict:
         for r in self.spmd["rows"]:
@@ -253,7 +256,7 @@ def headline(data: Data, doc: Path) -> list[str]:
         f"The last full run of `python -m bench` ({_machine(data.results['machine'])}; every mode in a process of "
         f"its own, their blocks of steps alternated; [all figures]({_rel(doc, data.root / 'results.md')})): "
         "median step time relative to upstream `openxla` (below 1: faster), and the device memory of the step's "
-        "largest program relative to `openxla`'s:",
+        "largest program relative to `openxla`'s; every loop but the eager optimizer's compiles the optimizer step:",
         "",
         "| workload | loop | executions per step (`openxla` / fused_grad / fused_step) | step time, "
         "`openxla_fused_grad` | step time, `openxla_fused_step` | `openxla_fused_step` vs LazyTensor "
@@ -288,8 +291,8 @@ def bench_steps(data: Data, doc: Path) -> list[str]:
                 cells.append("—")
                 continue
             cells.append(f"{_ratio(r)} ({r['executions_per_step']})")
-        lines.append(f"| {WORKLOADS[workload]} | {LOOP_NAMES[loop]} | {num(up['step_ms'])} ({up['executions_per_step']}) | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {WORKLOADS[workload]} | {LOOP_NAMES[loop]} | "
+                     f"{num(up['step_ms'])} ({up['executions_per_step']}) | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -89,7 +89,8 @@ def test_a_figure_in_prose_is_checked_against_its_file(repo):
     marker = "<!--fig:results/bank1000/zero_grads/openxla_fused_grad/callback_ms-->"
     assert marker + "10.7 ms<!--/fig-->" in text
     design.write_text(text.replace(marker + "10.7 ms", marker + "10.0 ms"))
-    assert tables.check(repo, with_pages=False) == ["docs/design.md: stale figures (python -m bench.tables rewrites them)"]
+    stale = "docs/design.md: stale figures (python -m bench.tables rewrites them)"
+    assert tables.check(repo, with_pages=False) == [stale]
 
 
 def test_a_figure_missing_from_its_file_fails(repo):
