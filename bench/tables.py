@@ -192,9 +192,16 @@ def _functionalization_cost(data: Data) -> str:
     return span([f"{on[op] / off[op]:.1f}x" for op in on if op != "sync per pending tensor"])
 
 
+def _fused_step_over_floor(data: Data, workload: str) -> str:
+    """The fused step's host time per parameter tensor on a host_time.json workload, over per_op's floor."""
+    row = data.host_row(workload, FUSED_STEP)
+    return f"{row['host_ms'] * 1000 / row['tensors'] / data.per_op_run(True)['floor_us']:.2f}x"
+
+
 # Figures derived from several values, by name (``<!--fig:@NAME-->``).
 DERIVED: dict[str, Callable[[Data], str]] = {
     "functionalization-op-cost": _functionalization_cost,
+    "fused-step-bank1000-over-floor": lambda data: _fused_step_over_floor(data, "bank1000"),
 }
 
 
@@ -494,7 +501,7 @@ CONFIG = re.compile(
 # ... or that are not results: a target, an order of magnitude.
 NOT_A_RESULT = re.compile(r"(?:target of|~)\s*$", re.I)
 FENCE = re.compile(r"^```.*?^```$", re.S | re.M)
-CODE = re.compile(r"`[^`\n]*`")
+CODE = re.compile(r"`[^`]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 ITEM = re.compile(r"^\s*(?:[-*]|\d+\.)\s")
 
