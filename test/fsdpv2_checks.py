@@ -1,0 +1,134 @@
+"""torch_xla's FSDPv2 compiled as users write it, on a 4-device PJRT CPU mesh, for test_fsdpv2.py.
+
+    CPU_NUM_DEVICES=4 PJRT_DEVICE=CPU python test/fsdpv2_checks.py OUT.json [--steps N]
+
+``torch.compile(SpmdFullyShardedDataParallel(model), backend=B)`` (mesh (4, 1)
+named ("fsdp", "model"), inputs sharded on "fsdp") around a 4-block pre-norm
+MLP, AdamW, ``xm.mark_step()`` per step; with and without the blocks under
+``torch.utils.checkpoint(use_reentrant=False)``; against uncompiled lazy SPMD
+of the same model without checkpointing (the same math: lazy SPMD rejects
+non-reentrant checkpointing). Writes, per run, the executions of each phase
+[forward, backward, optimizer] per step (after ``xm.wait_device_ops()``),
+the losses, ``UncachedCompile`` after each step and the output's sharding.
+``python -m bench.fsdpv2`` prints the same runs as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")
+
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()  # before anything touches a device
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel  # noqa: E402
+
+import torch_xla_bridge  # noqa: E402,F401  (installs spmd_tracing: torch_xla is imported)
+from torch_xla_bridge import counting  # noqa: E402
+
+WIDTH, HIDDEN, BLOCKS, BATCH = 64, 256, 4, 8
+BACKENDS = ("openxla_fused_step", "openxla_fused_grad", "openxla")
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual; optionally under non-reentrant activation checkpointing."""
+
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+
+class Model(nn.Module):
+    """A user-defined model class, as HF models are (dynamo traces its forward as one frame)."""
+
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(checkpoint) for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def mesh() -> xs.Mesh:
+    n = xr.global_runtime_device_count()
+    return xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+
+
+def run(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
+    """``steps`` training steps of FSDPv2(Model), compiled whole with ``backend`` (None: lazy SPMD)."""
+    torch._dynamo.reset()
+    m = mesh()
+    torch.manual_seed(0)
+    wrapped = SpmdFullyShardedDataParallel(Model(checkpoint).to(torch_xla.device()), mesh=m)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    model = wrapped if backend is None else torch.compile(wrapped, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, list] = {"phases": [], "losses": [], "uncached_compiles": [], "output_spec": []}
+    for _ in range(steps):
+        x = torch.randn(BATCH, WIDTH, generator=g).to(torch_xla.device())
+        xs.mark_sharding(x, m, ("fsdp", None))
+        e0 = counting.executions()
+        y = model(x)
+        loss = y.pow(2).mean()
+        e1 = counting.executions()
+        loss.backward()
+        e2 = counting.executions()
+        opt.step()
+        opt.zero_grad()
+        xm.mark_step()
+        e3 = counting.executions()
+        out["phases"].append([e1 - e0, e2 - e1, e3 - e2])
+        out["losses"].append(loss.item())
+        out["uncached_compiles"].append(counting.counter("UncachedCompile"))
+        out["output_spec"].append(torch_xla._XLAC._get_xla_sharding_spec(y))
+    return out
+
+
+def main(path: str, steps: int) -> None:
+    from torch_xla.distributed.spmd.xla_sharded_tensor import XLAShardedTensor
+
+    probe = torch.zeros(4, 2).to(torch_xla.device())
+    result: dict[str, Any] = {
+        "devices": xr.global_runtime_device_count(),
+        # Outside a trace mark_sharding is torch_xla's own: it returns the wrapper.
+        "eager_returns_wrapper": isinstance(xs.mark_sharding(probe, mesh(), ("fsdp", None)), XLAShardedTensor),
+        "lazy": run(None, False, steps),
+    }
+    for backend in BACKENDS:
+        for checkpoint in (False, True):
+            result[f"{backend}{'+ckpt' if checkpoint else ''}"] = run(backend, checkpoint, steps)
+    xm.wait_device_ops()
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
+    main(sys.argv[1], steps)
