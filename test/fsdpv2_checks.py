@@ -10,7 +10,7 @@ of the same model without checkpointing (the same math: lazy SPMD rejects
 non-reentrant checkpointing). Writes, per run, the executions of each phase
 [forward, backward, optimizer] per step (after ``xm.wait_device_ops()``),
 the losses, ``UncachedCompile`` after each step and the output's sharding.
-``python -m bench.fsdpv2`` prints the same runs as a table.
+Also prints them as the table in docs/spmd.md.
 """
 
 from __future__ import annotations
@@ -127,6 +127,24 @@ def main(path: str, steps: int) -> None:
     xm.wait_device_ops()
     with open(path, "w") as f:
         json.dump(result, f)
+    print_table(result)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """Executions per step after the first, [forward, backward, optimizer], and in the first; losses against lazy SPMD."""
+    lazy = result["lazy"]["losses"]
+    print("| run | executions per step from step 2 (fwd + bwd + opt) | max abs(loss - lazy SPMD) | first step off by > 1e-5 | step 1 | UncachedCompile after step 2 |")
+    print("|---|---|---|---|---|---|")
+    for name, run in result.items():
+        if not isinstance(run, dict):
+            continue
+        steady = {tuple(p) for p in run["phases"][1:]}
+        phases = " / ".join(" + ".join(map(str, p)) for p in sorted(steady))
+        diffs = [abs(a - b) for a, b in zip(run["losses"], lazy)]
+        off = next((i + 1 for i, d in enumerate(diffs) if d > 1e-5), None)
+        grew = run["uncached_compiles"][-1] - run["uncached_compiles"][1]
+        first = " + ".join(map(str, run["phases"][0]))
+        print(f"| {name} | {phases} | {max(diffs):.1e} | {off or '-'} | {first} | +{grew} |")
 
 
 if __name__ == "__main__":
