@@ -15,6 +15,7 @@ Also prints them as the table in docs/spmd.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -111,6 +112,94 @@ def run(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
     return out
 
 
+class Annotated(nn.Module):
+    """Linear, GELU, Linear with ``xs.mark_sharding`` (or another annotation) inside the forward, as ``how`` says."""
+
+    def __init__(self, mesh: xs.Mesh, how: str) -> None:
+        super().__init__()
+        self.mesh, self.how = mesh, how
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        if self.how == "activation":  # mid-forward: splits the graph; the activation is annotated in between
+            xs.mark_sharding(h, self.mesh, ("fsdp", None))
+        elif self.how == "custom":
+            xs.annotate_custom_sharding(h, self.mesh, ("fsdp", None))
+        elif self.how == "parameter":  # already sharded on "fsdp" along dim 0: torch_xla refuses
+            xs.mark_sharding(self.fc2.weight, self.mesh, (None, "fsdp"))  # LINE: parameter annotation
+        return self.fc2(h)
+
+
+def bad_input(backend: str, how: str, steps: int = 3) -> dict[str, Any]:
+    """Annotations inside the compiled forward: losses against the same model uncompiled (lazy SPMD),
+    executions per step, and for a refused annotation the error and whether anything changed."""
+    torch._dynamo.reset()
+    m = mesh()
+    dev = torch_xla.device()
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Annotated(m, how).to(dev)
+        for p in model.parameters():
+            xs.mark_sharding(p, m, ("fsdp",) + (None,) * (p.dim() - 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        fn = torch.compile(model, backend=backend) if compiled else model
+        before = [p.cpu() for p in model.parameters()]
+        g = torch.Generator().manual_seed(2)
+        run: dict[str, list] = {"losses": [], "executions": []}
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=g).to(dev)
+            xs.mark_sharding(x, m, ("fsdp", None))
+            e0 = counting.executions()
+            try:
+                loss = fn(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                xm.mark_step()
+            except RuntimeError as e:
+                xm.mark_step()
+                run["error"] = str(e)
+                run["unchanged"] = all(torch.equal(a, p.cpu()) for a, p in zip(before, model.parameters()))
+                run["grads"] = [p.grad is not None for p in model.parameters()]
+                run["optimizer_state"] = len(opt.state)
+                break
+            run["executions"].append(counting.executions() - e0)
+            run["losses"].append(loss.item())
+        out["compiled" if compiled else "lazy"] = run
+    return out
+
+
+def layout_changes(backend: str) -> dict[str, Any]:
+    """A compiled model whose batch alternates between two layouts: the warnings it gives, and its gradients
+    against the same model uncompiled."""
+    import warnings
+
+    torch._dynamo.reset()
+    m = mesh()
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(dev)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=backend)
+    messages: list[str] = []
+    errs: list[float] = []
+    for i in range(6):
+        x = torch.randn(8, 16).to(dev)
+        xs.mark_sharding(x, m, ("fsdp", None) if i < 2 or i % 2 == 0 else (None, "fsdp"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(x).sum().backward()
+        ref(x).sum().backward()
+        xm.mark_step()
+        messages += [str(w.message) for w in caught if "sharded differently" in str(w.message)]
+        errs.append(max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+        model.zero_grad()
+        ref.zero_grad()
+    return {"warnings": messages, "grad_err": errs}
+
+
 def main(path: str, steps: int) -> None:
     from torch_xla.distributed.spmd.xla_sharded_tensor import XLAShardedTensor
 
@@ -124,6 +213,13 @@ def main(path: str, steps: int) -> None:
     for backend in BACKENDS:
         for checkpoint in (False, True):
             result[f"{backend}{'+ckpt' if checkpoint else ''}"] = run(backend, checkpoint, steps)
+    for backend in BACKENDS[:2]:
+        for how in ("activation", "custom", "parameter"):
+            result[f"bad_input:{backend}:{how}"] = bad_input(backend, how)
+        result[f"layout_changes:{backend}"] = layout_changes(backend)
+    result["parameter_line"] = next(
+        i + 1 for i, line in enumerate(open(__file__).read().splitlines()) if line.endswith("# LINE: parameter annotation")
+    )
     xm.wait_device_ops()
     with open(path, "w") as f:
         json.dump(result, f)
@@ -136,7 +232,7 @@ def print_table(result: dict[str, Any]) -> None:
     print("| run | executions per step from step 2 (fwd + bwd + opt) | max abs(loss - lazy SPMD) | first step off by > 1e-5 | step 1 | UncachedCompile after step 2 |")
     print("|---|---|---|---|---|---|")
     for name, run in result.items():
-        if not isinstance(run, dict):
+        if not isinstance(run, dict) or "phases" not in run:
             continue
         steady = {tuple(p) for p in run["phases"][1:]}
         phases = " / ".join(" + ".join(map(str, p)) for p in sorted(steady))

@@ -69,3 +69,46 @@ def test_no_compile_after_warm_up(fsdp, run):
 def test_output_is_sharded_as_fsdpv2_asks(fsdp, run):
     """FSDPv2's mark_sharding of the output took effect: the lazy run's layout, batch split on fsdp."""
     assert fsdp[run]["output_spec"] == fsdp["lazy"]["output_spec"] == ["{devices=[4,1]0,1,2,3}"] * 4
+
+
+# --- annotations inside the compiled forward (fsdpv2_checks.bad_input / layout_changes) -----------------
+
+
+@pytest.mark.parametrize("backend", [FUSED_STEP, FUSED])
+@pytest.mark.parametrize("how", ["activation", "custom"])
+def test_annotating_an_activation_mid_forward_trains_as_lazy_spmd(fsdp, backend, how):
+    """xs.mark_sharding / annotate_custom_sharding of an activation inside the compiled forward: the graph
+    splits there and the annotation lands in between (on openxla_fused_grad's executed activation as a
+    custom sharding, which torch_xla would otherwise refuse); losses as the uncompiled model's."""
+    run = fsdp[f"bad_input:{backend}:{how}"]
+    assert run["compiled"]["losses"] == pytest.approx(run["lazy"]["losses"], abs=1e-7)
+    assert "error" not in run["compiled"]
+    # fused step: still one execution per step; fused grad: the split costs two (forward 2 + input sync).
+    assert run["compiled"]["executions"][1:] == ([1, 1] if backend == FUSED_STEP else [5, 5])
+
+
+@pytest.mark.parametrize("backend", [FUSED_STEP, FUSED])
+def test_reannotating_a_sharded_parameter_inside_the_forward_is_a_clear_error(fsdp, backend):
+    """Lazy SPMD refuses it too, with torch_xla's bare check message; compiled, the error names the call
+    site, the tensor and what to change, and nothing was updated."""
+    lazy, run = fsdp[f"bad_input:{backend}:parameter"]["lazy"], fsdp[f"bad_input:{backend}:parameter"]["compiled"]
+    assert "Existing annotation must be cleared first" in lazy["error"]
+    message = run["error"]
+    assert f"fsdpv2_checks.py:{fsdp['parameter_line']}, inside torch.compile" in message
+    assert "t (shape (16, 32), dtype torch.float32) is a parameter whose data is already sharded as {devices=[4,1]" in message
+    assert "xs.clear_sharding(t)" in message and "before the compiled call" in message
+    assert run["unchanged"] and run["grads"] == [False] * 4 and run["optimizer_state"] == 0
+    assert run["losses"] == []
+
+
+def test_alternating_input_layouts_warn_once_on_the_bridge_path(fsdp):
+    """openxla_fused_grad's forward runs through upstream's bridge, which retraces at every layout change:
+    one warning naming the input and both layouts (parameters whose buffers went from no sharding to
+    replicated are no change); gradients stay right. openxla_fused_step switches programs silently."""
+    run = fsdp[f"layout_changes:{FUSED}"]
+    assert len(run["warnings"]) == 1
+    assert "primals_3 (shape (8, 16), torch.float32): {devices=[4,1]0,1,2,3} -> {devices=[1,4]0,1,2,3}." in run["warnings"][0]
+    assert "primals_1" not in run["warnings"][0] and f"backend='{FUSED_STEP}'" in run["warnings"][0]
+    assert max(run["grad_err"]) < ATOL
+    step = fsdp[f"layout_changes:{FUSED_STEP}"]
+    assert step["warnings"] == [] and max(step["grad_err"]) < ATOL

@@ -287,6 +287,7 @@ else:
     _get_rng_seed = _xla("_xla_get_rng_seed", _XLAC)
     # SPMD.
     sharding_spec: Callable[[torch.Tensor], str] = _xla("_get_xla_sharding_spec", _XLAC)
+    sharding_specs: Callable[[list], list[str]] = _xla("_get_xla_sharding_specs", _XLAC)
     op_sharding: Callable[[torch.Tensor], Any] = _xla("_get_xla_op_sharding", _XLAC)
     mark_sharding: Callable[[torch.Tensor, Any], None] = _xla("_xla_mark_sharding", _XLAC)
     _xla("skip_input_data_check", dynamo_config)

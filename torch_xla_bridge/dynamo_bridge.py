@@ -32,7 +32,8 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch_xla.runtime as xr
@@ -84,7 +85,7 @@ def compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
 
     compiled = openxla_eval_boxed(gm, example_inputs)
     if xr.is_spmd():
-        compiled = _sharding_check_kept(compiled)
+        compiled = _sharding_check_kept(compiled, [n.name for n in gm.graph.find_nodes(op="placeholder")])
     return _inputs_synced_first(compiled)
 
 
@@ -129,14 +130,49 @@ def _inputs_synced_first(compiled: Callable[[list], Any]) -> Callable[[list], An
     return boxed(run_with_inputs_synced)
 
 
-def _sharding_check_kept(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
+def _sharding_check_kept(compiled: Callable[[list], Any], names: Sequence[str]) -> Callable[[list], Any]:
+    """``compiled`` run in :func:`sharding_check_never_expires`, saying once when its input layout changes.
+
+    A change is correct (upstream's bridge retraces), but it retraces at
+    every change: a graph whose inputs alternate between layouts is traced
+    anew at every call, where the caller most likely meant one layout.
+    """
+    last: list[Optional[list[str]]] = [None]
+    warned = [False]
+
     def run_with_sharding_check(args: list) -> Any:
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+        # No sharding and replicated are one layout (a buffer that an execution wrote reads as replicated).
+        specs = [spec or _REPLICATED for spec in _private.sharding_specs([a for _, a in tensors])]
+        if last[0] is not None and specs != last[0] and not warned[0]:
+            warned[0] = True
+            _warn_layout_change(names, tensors, last[0], specs)
+        last[0] = specs
         with sharding_check_never_expires():
             return compiled(args)
 
     return boxed(run_with_sharding_check)
 
 
+def _warn_layout_change(
+    names: Sequence[str], tensors: Sequence[tuple[int, torch.Tensor]], old: Sequence[str], new: Sequence[str]
+) -> None:
+    changed = [
+        f"{names[i] if i < len(names) else f'input {i}'} (shape {tuple(t.shape)}, {t.dtype}): "
+        f"{a} -> {b}"
+        for (i, t), a, b in zip(tensors, old, new)
+        if a != b
+    ]
+    warnings.warn(
+        f"a graph that runs through torch_xla's dynamo bridge got inputs sharded differently from its last call: "
+        f"{'; '.join(changed)}. It is retraced (correct, but the bridge keeps one trace per graph, so inputs that "
+        f"alternate between layouts are retraced at every call). Shard each input the same way at every call "
+        f"(the same xs.mark_sharding spec for every batch), or compile with backend='{STEP_BACKEND_NAME}', which "
+        f"compiles one program per layout and switches between them without retracing."
+    )
+
+
+_REPLICATED = "{replicated}"
 _THRESHOLD_ENV = "XLA_DYNAMO_INPUT_SHARDING_CHECK_THRESHOLD"
 # Calls between two checks of upstream's counter: in effect never runs out.
 _NEVER = str(2**62)
