@@ -10,7 +10,10 @@ of the same model without checkpointing (the same math: lazy SPMD rejects
 non-reentrant checkpointing). Writes, per run, the executions of each phase
 [forward, backward, optimizer] per step (after ``xm.wait_device_ops()``),
 the losses, ``UncachedCompile`` after each step and the output's sharding.
-Also prints them as the table in docs/spmd.md.
+Also prints them as the table in docs/spmd.md. Then, per fused backend, the
+annotations inside a compiled forward that lazy SPMD and dynamo treat
+differently (``bad_input``) and a batch whose layout alternates
+(``layout_changes``).
 """
 
 from __future__ import annotations
