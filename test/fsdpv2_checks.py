@@ -27,6 +27,14 @@ from typing import Any
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 
+# --bridge-first: the package imported before torch_xla, so it cannot replace mark_sharding at
+# import; the backend's first graph must, before dynamo reaches FSDPv2's output annotation.
+BRIDGE_FIRST = "--bridge-first" in sys.argv
+if BRIDGE_FIRST:
+    import torch_xla_bridge.spmd_tracing  # noqa: E402
+
+    assert "torch_xla" not in sys.modules and not torch_xla_bridge.spmd_tracing.installed()
+
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()  # before anything touches a device
@@ -41,8 +49,8 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel  # noqa: E402
 
-import torch_xla_bridge  # noqa: E402,F401  (installs spmd_tracing: torch_xla is imported)
-from torch_xla_bridge import counting  # noqa: E402
+import torch_xla_bridge  # noqa: E402,F401  (installs spmd_tracing, unless imported first)
+from torch_xla_bridge import counting, spmd_tracing  # noqa: E402
 
 WIDTH, HIDDEN, BLOCKS, BATCH = 64, 256, 4, 8
 BACKENDS = ("openxla_fused_step", "openxla_fused_grad", "openxla")
@@ -204,6 +212,13 @@ def layout_changes(backend: str) -> dict[str, Any]:
 
 
 def main(path: str, steps: int) -> None:
+    if BRIDGE_FIRST:
+        installed_before = spmd_tracing.installed()
+        result = {"installed_before_compile": installed_before, "lazy": run(None, False, steps),
+                  "openxla_fused_grad": run("openxla_fused_grad", False, steps)}
+        with open(path, "w") as f:
+            json.dump(result, f)
+        return
     from torch_xla.distributed.spmd.xla_sharded_tensor import XLAShardedTensor
 
     probe = torch.zeros(4, 2).to(torch_xla.device())

@@ -112,3 +112,14 @@ def test_alternating_input_layouts_warn_once_on_the_bridge_path(fsdp):
     assert max(run["grad_err"]) < ATOL
     step = fsdp[f"layout_changes:{FUSED_STEP}"]
     assert step["warnings"] == [] and max(step["grad_err"]) < ATOL
+
+
+def test_package_imported_before_torch_xla(tmp_path):
+    """Imported before torch_xla, the package cannot replace mark_sharding at import; the backend's first
+    graph (the wrapped module's forward, before dynamo reaches the output annotation) does."""
+    out = tmp_path / "result.json"
+    _run_spmd(ROOT / "test" / "fsdpv2_checks.py", str(out), "--steps", "3", "--bridge-first")
+    result = json.loads(out.read_text())
+    assert result["installed_before_compile"] is False
+    assert result[FUSED]["losses"] == pytest.approx(result["lazy"]["losses"], abs=ATOL)
+    assert result[FUSED]["phases"] == [[1, 1, 1]] * 3
