@@ -211,7 +211,88 @@ def layout_changes(backend: str) -> dict[str, Any]:
     return {"warnings": messages, "grad_err": errs}
 
 
+def shared_input(backend: str, steps: int = 4) -> dict[str, Any]:
+    """A batch read by two compiled graphs (a graph break between them; as labels are read by a loss
+    after a break in an HF model): losses and the largest parameter difference to the same model
+    uncompiled (lazy SPMD) after each SGD step."""
+    torch._dynamo.reset()
+    m = mesh()
+    dev = torch_xla.device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).to(dev)
+    ref = copy.deepcopy(model)
+
+    def loss_fn(net: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = net[1](net[0](x))
+        torch._dynamo.graph_break()
+        return (net[2](h) - labels).pow(2).mean()
+
+    fn = torch.compile(lambda x, labels: loss_fn(model, x, labels), backend=backend)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    out: dict[str, list] = {"losses": [], "lazy_losses": [], "param_err": []}
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g).to(dev)
+        xs.mark_sharding(x, m, ("fsdp", None))
+        for net, f, o, key in ((model, fn, opt, "losses"), (ref, lambda a, b: loss_fn(ref, a, b), ref_opt, "lazy_losses")):
+            loss = f(x, x)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            xm.mark_step()
+            out[key].append(loss.item())
+        out["param_err"].append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    return out
+
+
+def llama(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
+    """A tiny HF Llama wrapped as HF Trainer's ``xla_fsdp_v2`` path wraps it (FSDPv2, its ``shard_output``
+    annotating the logits), on a 2-D (2, 2) mesh ("fsdp", "tensor"), compiled whole; ``checkpoint``: HF's
+    non-reentrant gradient checkpointing (whose ``use_cache`` warning breaks the graph mid-model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    m = xs.Mesh(np.arange(4), (2, 2), ("fsdp", "tensor"))
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch_xla.device())
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def shard_output(output: Any, mesh: xs.Mesh) -> None:  # transformers' Trainer, xla_fsdp_v2
+        xs.mark_sharding(output.logits, mesh, ("fsdp", None, None))
+
+    wrapped = SpmdFullyShardedDataParallel(model, mesh=m, shard_output=shard_output)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    fn = wrapped if backend is None else torch.compile(wrapped, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, list] = {"losses": [], "executions": [], "uncached_compiles": []}
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (4, 16), generator=g).to(torch_xla.device())
+        xs.mark_sharding(ids, m, ("fsdp", None))
+        e0 = counting.executions()
+        loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        xm.mark_step()
+        out["executions"].append(counting.executions() - e0)
+        out["losses"].append(loss.item())
+        out["uncached_compiles"].append(counting.counter("UncachedCompile"))
+    return out
+
+
 def main(path: str, steps: int) -> None:
+    if "--llama" in sys.argv:
+        # Lazy SPMD runs the same math without checkpointing (it rejects torch.utils.checkpoint).
+        result = {"lazy": llama(None, False, steps)}
+        for backend in BACKENDS[:2]:
+            result[f"{backend}+ckpt"] = llama(backend, True, steps)
+        with open(path, "w") as f:
+            json.dump(result, f)
+        return
     if BRIDGE_FIRST:
         installed_before = spmd_tracing.installed()
         result = {"installed_before_compile": installed_before, "lazy": run(None, False, steps),
@@ -231,6 +312,8 @@ def main(path: str, steps: int) -> None:
     for backend in BACKENDS:
         for checkpoint in (False, True):
             result[f"{backend}{'+ckpt' if checkpoint else ''}"] = run(backend, checkpoint, steps)
+    for backend in BACKENDS:
+        result[f"shared_input:{backend}"] = shared_input(backend)
     for backend in BACKENDS[:2]:
         for how in ("activation", "custom", "parameter"):
             result[f"bad_input:{backend}:{how}"] = bad_input(backend, how)

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from test_spmd import ROOT, _run_spmd
 from xla_helpers import FUSED, FUSED_STEP, UPSTREAM
@@ -123,3 +124,61 @@ def test_package_imported_before_torch_xla(tmp_path):
     assert result["installed_before_compile"] is False
     assert result[FUSED]["losses"] == pytest.approx(result["lazy"]["losses"], abs=ATOL)
     assert result[FUSED]["phases"] == [[1, 1, 1]] * 3
+
+
+@pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])
+def test_a_batch_read_by_two_graphs_is_not_frozen(fsdp, backend):
+    """Under SPMD upstream's bridge binds an argument that an earlier graph read as a constant (its buffer
+    records a fresh tensor id each time its IR is taken): upstream openxla's second graph keeps the first
+    batch as labels. Graphs that our backends hand to the bridge match their inputs by buffer instead."""
+    run = fsdp[f"shared_input:{backend}"]
+    assert run["losses"] == pytest.approx(run["lazy_losses"], abs=ATOL)
+    assert max(run["param_err"]) < ATOL
+    upstream = fsdp[f"shared_input:{UPSTREAM}"]
+    assert upstream["losses"][0] == pytest.approx(upstream["lazy_losses"][0], abs=ATOL)
+    assert abs(upstream["losses"][1] - upstream["lazy_losses"][1]) > 1e-2  # the first batch's labels
+
+
+def test_hf_llama_fsdpv2_2d_mesh_gradient_checkpointing(tmp_path):
+    """A tiny HF Llama as HF Trainer's xla_fsdp_v2 path wraps it, 2-D mesh, HF gradient checkpointing,
+    compiled whole. Its graph break (a logger call) makes a second graph that reads the batch again (the
+    labels) and a CPU constant that upstream's bridge copied to XLA at every call; openxla_fused_grad
+    trained on stale labels from the second step before its bridge graphs matched inputs by buffer."""
+    out = tmp_path / "result.json"
+    _run_spmd(ROOT / "test" / "fsdpv2_checks.py", str(out), "--steps", "4", "--llama")
+    result = json.loads(out.read_text())
+    for run in (f"{FUSED}+ckpt", f"{FUSED_STEP}+ckpt"):
+        assert result[run]["losses"] == pytest.approx(result["lazy"]["losses"], abs=ATOL), run
+        compiles = result[run]["uncached_compiles"]
+        assert compiles[1:] == [compiles[1]] * 3, run
+    assert result[f"{FUSED_STEP}+ckpt"]["executions"][1:] == [1, 1, 1]
+    # forward in two graphs (the logger's break) + backward + optimizer
+    assert result[f"{FUSED}+ckpt"]["executions"] == [4, 4, 4, 4]
+
+
+def test_cpu_constants_copied_to_xla_once():
+    """get_attr -> lift_fresh_copy -> _to_copy(device=xla) becomes one get_attr of an XLA tensor made at
+    compile time (upstream's bridge ran those nodes as CPU fallbacks, a fresh unsharded input per call)."""
+    import torch_xla
+
+    from torch_xla_bridge import dynamo_bridge
+
+    aten = torch.ops.aten
+    root = torch.nn.Module()
+    root._tensor_constant0 = torch.tensor(-3.0)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    constant = graph.get_attr("_tensor_constant0")
+    fresh = graph.call_function(aten.lift_fresh_copy.default, (constant,))
+    moved = graph.call_function(aten._to_copy.default, (fresh,), {"device": torch_xla.device()})
+    graph.output(graph.call_function(aten.mul.Tensor, (x, moved)))
+    gm = torch.fx.GraphModule(root, graph)
+    x_xla = torch.arange(4.0).to(torch_xla.device())
+    want = gm(x_xla).cpu()
+
+    dynamo_bridge._constants_moved_to_xla_once(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [aten.mul.Tensor]
+    (attr,) = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert getattr(gm, attr).device.type == "xla" and getattr(gm, attr).item() == -3.0
+    assert torch.equal(gm(x_xla).cpu(), want)
