@@ -299,11 +299,12 @@ else:
     # Upstream's CPU-fallback partitioner looks its node collector up in its module per call.
     _xla("_dynamo.dynamo_bridge.partition_fx_graph_for_cpu_fallback")
     _xla("UnsupportedNodesCollector", _upstream_bridge)
-    _xla("GraphInputMatcher", _upstream_bridge)
-    # Read by graph_inputs_matched_by_buffer's matcher (set by upstream's __init__).
-    for _attribute in ("graph_input_xla_values", "arg_idxs", "__call__"):
-        if _attribute not in inspect.getsource(_upstream_bridge.GraphInputMatcher):
-            raise _missing("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__, f"GraphInputMatcher.{_attribute} is missing")
+    _xla("GraphInputMatcher.__call__", _upstream_bridge)
+    # The attributes graph_inputs_matched_by_buffer's matcher rewrites, as upstream's __init__ sets them.
+    for _attribute in ("graph_input_xla_values", "arg_idxs"):
+        if _attribute not in _upstream_bridge.GraphInputMatcher.__init__.__code__.co_names:
+            raise _missing("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__,
+                           f"GraphInputMatcher sets no {_attribute}")
 
     def advance_rng_seed(device: str) -> None:
         """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).
