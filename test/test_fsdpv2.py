@@ -182,3 +182,14 @@ def test_cpu_constants_copied_to_xla_once():
     (attr,) = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
     assert getattr(gm, attr).device.type == "xla" and getattr(gm, attr).item() == -3.0
     assert torch.equal(gm(x_xla).cpu(), want)
+
+
+def test_example_script_matches_spmd_without_compile():
+    """examples/train_fsdpv2.py --checkpoint with openxla_fused_step: lazy SPMD's losses, one execution per step."""
+    runs = {}
+    for backend in (FUSED_STEP, "eager"):
+        proc = _run_spmd(ROOT / "examples" / "train_fsdpv2.py", "--backend", backend, "--checkpoint", "--steps", "3")
+        runs[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs[FUSED_STEP]["devices"] == 4
+    assert runs[FUSED_STEP]["losses"] == pytest.approx(runs["eager"]["losses"], abs=ATOL)
+    assert runs[FUSED_STEP]["executions"][1:] == [1, 1]
