@@ -11,7 +11,6 @@ from __future__ import annotations
 import pathlib
 import re
 
-import pytest
 
 from patched_tree import ROOT, apply_cleanly, copy_installed, run_script
 
