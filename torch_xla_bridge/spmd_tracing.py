@@ -65,6 +65,7 @@ _FUNCTIONS = ("mark_sharding", "annotate_custom_sharding")
 _ALREADY_SHARDED = "Existing annotation must be cleared first"
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
+_unavailable: list[Exception] = []  # why install() found nothing to replace, once it has looked
 
 
 def installed() -> bool:
@@ -81,12 +82,17 @@ def install_if_torch_xla_imported() -> None:
 def install() -> None:
     """Replaces torch_xla's ``mark_sharding`` and ``annotate_custom_sharding`` by compile-safe ones; idempotent, thread-safe."""
     with _lock:
-        if _originals:
+        if _originals or _unavailable:
             return
         import importlib
 
-        modules = [importlib.import_module(name) for name in _MODULES]
-        originals = {name: getattr(modules[0], name) for name in _FUNCTIONS}
+        try:
+            modules = [importlib.import_module(name) for name in _MODULES]
+            originals = {name: getattr(modules[0], name) for name in _FUNCTIONS}
+        except (ImportError, AttributeError) as e:  # a torch_xla without SPMD: nothing to make compile-safe
+            _unavailable.append(e)
+            log.warning("torch_xla's SPMD annotations not found (%s): left as they are", e)
+            return
         custom = originals["annotate_custom_sharding"]
         for name, original in originals.items():
             replacement = _compile_safe(original, custom)
