@@ -10,8 +10,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge"
 # Each module, and the package modules it may import (at module level or inside a function).
 ALLOWED = {
     "backend": {
-        "fused_step", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "host_scalars",
-        "decompositions", "counting", "_private", "names",
+        "fused_step", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "spmd_tracing", "grad_sync",
+        "host_scalars", "decompositions", "counting", "_private", "names",
     },
     "fused_step": {
         "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "counting", "_private", "names",
@@ -20,6 +20,7 @@ ALLOWED = {
     "dynamo_bridge": {"grad_sync", "_private", "names"},
     "optimizer_sync": {"dynamo_fallback", "grad_sync", "counting", "_private", "names"},
     "dynamo_fallback": {"grad_sync", "counting", "_private", "names"},
+    "spmd_tracing": {"_private", "names"},
     "grad_sync": {"_private", "names"},
     "host_scalars": set(),
     "decompositions": set(),

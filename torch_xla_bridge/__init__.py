@@ -7,6 +7,7 @@ backend; after ``pip install`` the ``torch_dynamo_backends`` entry point makes
 the name resolvable without any import.
 """
 
+from . import spmd_tracing
 from .backend import openxla_fused_grad, openxla_fused_step, register
 from .names import BACKEND_NAME, STEP_BACKEND_NAME
 
@@ -14,3 +15,5 @@ __all__ = ["BACKEND_NAME", "STEP_BACKEND_NAME", "openxla_fused_grad", "openxla_f
 __version__ = "0.1.0"
 
 register()
+# xs.mark_sharding inside torch.compile (FSDPv2's forward): before the first trace, if torch_xla is loaded.
+spmd_tracing.install_if_torch_xla_imported()

@@ -24,6 +24,7 @@ import functools
 import inspect
 import logging
 import sys
+import threading
 import types
 from typing import Any, Callable, Iterator, Optional
 
@@ -140,6 +141,10 @@ def in_compiled_autograd_region() -> bool:
 
 _torch("in_compiled_autograd_region", _compiled_autograd)
 _TracingContext = _torch("_guards.TracingContext")
+
+
+# Inside a compiler AOTAutograd calls, its FakeTensorMode is active: real tensors made there need it off.
+fake_mode_off: Callable[[], Any] = _torch("_subclasses.fake_tensor.unset_fake_temporarily")
 
 
 def aot_fw_metadata() -> Any:
@@ -323,12 +328,19 @@ else:
     _get_rng_seed = _xla("_xla_get_rng_seed", _XLAC)
     # SPMD.
     sharding_spec: Callable[[torch.Tensor], str] = _xla("_get_xla_sharding_spec", _XLAC)
+    sharding_specs: Callable[[list], list[str]] = _xla("_get_xla_sharding_specs", _XLAC)
     op_sharding: Callable[[torch.Tensor], Any] = _xla("_get_xla_op_sharding", _XLAC)
     mark_sharding: Callable[[torch.Tensor, Any], None] = _xla("_xla_mark_sharding", _XLAC)
     _xla("skip_input_data_check", dynamo_config)
     # Upstream's CPU-fallback partitioner looks its node collector up in its module per call.
     _xla("_dynamo.dynamo_bridge.partition_fx_graph_for_cpu_fallback")
     _xla("UnsupportedNodesCollector", _upstream_bridge)
+    _xla("GraphInputMatcher.__call__", _upstream_bridge)
+    # The attributes graph_inputs_matched_by_buffer's matcher rewrites, as upstream's __init__ sets them.
+    for _attribute in ("graph_input_xla_values", "arg_idxs"):
+        if _attribute not in _upstream_bridge.GraphInputMatcher.__init__.__code__.co_names:
+            raise _missing("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__,
+                           f"GraphInputMatcher sets no {_attribute}")
 
     def advance_rng_seed(device: str) -> None:
         """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).
@@ -336,6 +348,66 @@ else:
         The formula is the lazy graph executor's (C++, not exposed to Python).
         """
         _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)
+
+
+_matching_by_buffer = threading.local()
+
+
+@contextlib.contextmanager
+def graph_inputs_matched_by_buffer() -> Iterator[None]:
+    """Graphs upstream's bridge traces within this scope (this thread) match their inputs to arguments by buffer.
+
+    The bridge's ``GraphInputMatcher`` maps each device-data input of a
+    traced graph to the argument whose tensor id is recorded on its buffer,
+    and binds an input it cannot map as a constant (the buffer at the
+    trace). Under SPMD a buffer records a fresh id every time its tensor's
+    IR is taken, so an argument that an earlier graph (or a retrace) read
+    first is frozen: a batch read by two graphs, the parameters of a
+    checkpointed backward (upstream/bugs/spmd_checkpoint_stale_backward.py).
+    A matcher made here maps, at its first call (the trace's own call, with
+    the same buffers), every input it bound as a constant whose buffer is
+    one of the arguments' to that argument. Matchers made outside the
+    scope (upstream ``openxla`` itself) are untouched.
+    """
+    _install_buffer_matcher()
+    previous = getattr(_matching_by_buffer, "active", False)
+    _matching_by_buffer.active = True
+    try:
+        yield
+    finally:
+        _matching_by_buffer.active = previous
+
+
+@functools.lru_cache(maxsize=None)
+def _install_buffer_matcher() -> None:
+    """Puts :class:`BufferMatcher` in upstream's bridge, where ``extract_graph_helper`` looks the class up per trace."""
+    matcher = _upstream_bridge.GraphInputMatcher
+
+    class BufferMatcher(matcher):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._by_buffer = getattr(_matching_by_buffer, "active", False)
+
+        def __call__(self, args: list) -> Any:
+            if self._by_buffer:
+                self._by_buffer = False
+                self._map_constants_to_arguments(args)
+            return super().__call__(args)
+
+        def _map_constants_to_arguments(self, args: list) -> None:
+            tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+            ready = [(i, a) for (i, a), pending in zip(tensors, need_materialization([a for _, a in tensors]))
+                     if not pending]
+            buffers = dict(zip(tensors_handle([a for _, a in ready]), (i for i, _ in ready)))
+            for k, (value, index) in enumerate(zip(self.graph_input_xla_values, self.arg_idxs)):
+                if index is not None or value is None or need_materialization([value])[0]:
+                    continue
+                arg = buffers.get(tensors_handle([value])[0])
+                if arg is not None:
+                    self.arg_idxs[k] = arg
+                    self.graph_input_xla_values[k] = None
+
+    _upstream_bridge.GraphInputMatcher = BufferMatcher
 
 
 @contextlib.contextmanager

@@ -188,7 +188,9 @@ def _upstream_or_none(
     with no input on XLA (upstream warns and runs them on the CPU).
     """
     require_torch_xla(backend)
-    from . import dynamo_bridge
+    from . import dynamo_bridge, spmd_tracing
+
+    spmd_tracing.install()  # no-op after the first graph; see spmd_tracing
 
     _listen()
     _at_compile_start()

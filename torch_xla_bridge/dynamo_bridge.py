@@ -4,7 +4,7 @@ Every graph the backends do not defer goes through :func:`compile_upstream`:
 ``openxla_fused_grad``'s forwards and compiled optimizer steps, graphs whose
 inputs are not on XLA, compiled autograd's backward graphs, and every
 deferred graph that falls back (:mod:`torch_xla_bridge.deferred`). It is
-upstream ``openxla``'s compiled function with two differences, both for
+upstream ``openxla``'s compiled function with three differences, all for
 correctness:
 
 - **Pending inputs are synced without donating their buffers** first, so
@@ -22,6 +22,17 @@ correctness:
   upstream's traces can bind an argument's buffer as a constant, because a
   device buffer's recorded tensor id need not be its tensor's, so a reused
   trace can compute with stale values.)
+- **Under SPMD its arguments are matched by buffer.** Upstream's bridge
+  binds a traced graph's device-data input to an argument by the tensor id
+  recorded on its buffer, which SPMD re-records every time the tensor's IR
+  is taken: an argument an earlier graph read (a batch read by two graphs
+  around a graph break, e.g. as a model's input and its loss's labels) was
+  bound as a constant, the first call's buffer. Here each traced graph maps
+  such inputs to the argument with the same buffer
+  (:func:`_private.graph_inputs_matched_by_buffer`), and CPU constants the
+  graph copies to XLA at every call are copied once
+  (:func:`_constants_moved_to_xla_once`), so that no fresh, unsharded input
+  makes the bridge retrace at every call.
 
 The checks that route a graph here, or reject it, live here too.
 """
@@ -32,7 +43,8 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch_xla.runtime as xr
@@ -82,10 +94,53 @@ def compile_upstream(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
     """
     from torch._dynamo.backends.torchxla import openxla_eval_boxed
 
+    if xr.is_spmd():
+        _constants_moved_to_xla_once(gm)
     compiled = openxla_eval_boxed(gm, example_inputs)
     if xr.is_spmd():
-        compiled = _sharding_check_kept(compiled)
+        compiled = _sharding_check_kept(compiled, [n.name for n in gm.graph.find_nodes(op="placeholder")])
     return _inputs_synced_first(compiled)
+
+
+def _constants_moved_to_xla_once(gm: torch.fx.GraphModule) -> None:
+    """Replaces, in place, each CPU tensor constant that ``gm`` copies to XLA at every call by one XLA constant.
+
+    A tensor the traced code creates (``torch.tensor(...)``, e.g. a mask's
+    fill value) reaches the graph as ``get_attr`` -> ``lift_fresh_copy`` ->
+    ``_to_copy(device=xla)``. Upstream's bridge runs those nodes as CPU
+    fallback ops outside its XLA program, so each call hands the program a
+    fresh, unsharded tensor, whose sharding the program's execution turns
+    into ``{replicated}``: under SPMD the bridge sees a changed input layout
+    at every call and retraces, and each retrace binds the arguments whose
+    IR was taken before as constants
+    (``upstream/bugs/spmd_checkpoint_stale_backward.py``). Measured on a tiny
+    HF Llama under FSDPv2 with gradient checkpointing: ``openxla_fused_grad``
+    trained on stale parameters from the second step. The copy is of a
+    constant into a functional graph, so one XLA copy made here is the same
+    value at every call; the program then reads it as a constant of its own.
+    """
+    aten = torch.ops.aten
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten._to_copy.default)):
+        device = node.kwargs.get("device")
+        source = node.args[0]
+        if source.op == "call_function" and source.target is aten.lift_fresh_copy.default:
+            source = source.args[0]
+        if device is None or torch.device(device).type != "xla" or source.op != "get_attr":
+            continue
+        value = getattr(gm, source.target)
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            continue
+        name = f"_xla_constant_{source.target}_{node.name}"
+        with _private.fake_mode_off():  # a real XLA tensor, not a fake one
+            setattr(gm, name, aten._to_copy.default(value, *node.args[1:], **node.kwargs))
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.get_attr(name)
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
+        log.debug("graph constant %s copied to XLA once, as %s", source.target, name)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
@@ -129,14 +184,49 @@ def _inputs_synced_first(compiled: Callable[[list], Any]) -> Callable[[list], An
     return boxed(run_with_inputs_synced)
 
 
-def _sharding_check_kept(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
+def _sharding_check_kept(compiled: Callable[[list], Any], names: Sequence[str]) -> Callable[[list], Any]:
+    """``compiled`` run in :func:`sharding_check_never_expires`, saying once when its input layout changes.
+
+    A change is correct (upstream's bridge retraces), but it retraces at
+    every change: a graph whose inputs alternate between layouts is traced
+    anew at every call, where the caller most likely meant one layout.
+    """
+    last: list[Optional[list[str]]] = [None]
+    warned = [False]
+
     def run_with_sharding_check(args: list) -> Any:
-        with sharding_check_never_expires():
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+        # No sharding and replicated are one layout (a buffer that an execution wrote reads as replicated).
+        specs = [spec or _REPLICATED for spec in _private.sharding_specs([a for _, a in tensors])]
+        if last[0] is not None and specs != last[0] and not warned[0]:
+            warned[0] = True
+            _warn_layout_change(names, tensors, last[0], specs)
+        last[0] = specs
+        with sharding_check_never_expires(), _private.graph_inputs_matched_by_buffer():
             return compiled(args)
 
     return boxed(run_with_sharding_check)
 
 
+def _warn_layout_change(
+    names: Sequence[str], tensors: Sequence[tuple[int, torch.Tensor]], old: Sequence[str], new: Sequence[str]
+) -> None:
+    changed = [
+        f"{names[i] if i < len(names) else f'input {i}'} (shape {tuple(t.shape)}, {t.dtype}): "
+        f"{a} -> {b}"
+        for (i, t), a, b in zip(tensors, old, new)
+        if a != b
+    ]
+    warnings.warn(
+        f"a graph that runs through torch_xla's dynamo bridge got inputs sharded differently from its last call: "
+        f"{'; '.join(changed)}. It is retraced (correct, but the bridge keeps one trace per graph, so inputs that "
+        f"alternate between layouts are retraced at every call). Shard each input the same way at every call "
+        f"(the same xs.mark_sharding spec for every batch), or compile with backend='{STEP_BACKEND_NAME}', which "
+        f"compiles one program per layout and switches between them without retracing."
+    )
+
+
+_REPLICATED = "{replicated}"
 _THRESHOLD_ENV = "XLA_DYNAMO_INPUT_SHARDING_CHECK_THRESHOLD"
 # Calls between two checks of upstream's counter: in effect never runs out.
 _NEVER = str(2**62)
