@@ -87,19 +87,20 @@ def test_executions_per_step(spmd):
     """Phases [forward, backward, optimizer] of every step after the warm-up.
 
     Eager optimizer + mark_step: ours 1+1+1, the floor; upstream 1+2+1 (the
-    loss seed's sync + the backward). Compiled optimizer: the forward and the
-    optimizer each pay one more execution under SPMD with either backend:
-    AOTAutograd writes the optimizer's updated parameters (and momentum)
-    back with ``copy_``, which under SPMD leaves them pending as a sharding
-    annotation over the new data, and upstream's bridge syncs pending inputs
-    of the next graph that reads them. Ours 2+1+2, upstream 2+2+2.
+    loss seed's sync + the backward). Compiled optimizer: AOTAutograd writes
+    the optimizer's updated parameters (and momentum) back with ``copy_``,
+    which under SPMD leaves them pending as a sharding annotation over the new
+    data. Upstream's bridge syncs pending inputs of the next graph that reads
+    them (the forward reads the parameters, the optimizer its momentum):
+    2+2+2. Ours ends the optimizer step with a barrier where its update is
+    pending, which syncs both in one execution: 1+1+2 (the graph, the barrier).
     """
     steady = lambda loop, backend: spmd[loop][backend]["phases"][2:]  # noqa: E731
     n = len(spmd["dp"][FUSED]["phases"]) - 2
     assert steady("dp_eager_opt", FUSED) == [[1, 1, 1]] * n
     assert steady("dp_eager_opt", UPSTREAM) == [[1, 2, 1]] * n
     for loop in ("dp", "fsdp"):
-        assert steady(loop, FUSED) == [[2, 1, 2]] * n
+        assert steady(loop, FUSED) == [[1, 1, 2]] * n
         assert steady(loop, UPSTREAM) == [[2, 2, 2]] * n
 
 

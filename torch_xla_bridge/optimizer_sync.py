@@ -24,8 +24,12 @@ that work is one execution of its own.
 
 A no-op while no backward of this backend ran since the last step barrier (so
 optimizers trained with other backends, or none, are not affected), after a
-compiled ``optimizer.step`` (its graph leaves no lazy update), and inside
-``torch_xla.compile(fn)``, whose own sync ends the step.
+compiled ``optimizer.step`` on one device (its graph leaves no lazy update),
+and inside ``torch_xla.compile(fn)``, whose own sync ends the step. Under SPMD
+a compiled step's write-back (AOTAutograd's ``copy_``) leaves parameters and
+state pending as sharding annotations over the new buffers: the barrier then
+syncs them all in one execution, where the next graphs reading them would
+each sync theirs first (``test/test_spmd.py``: 4 executions per step, was 5).
 
 When dynamo gives up on part of the loop (``recompile_limit``), that part runs
 eagerly, and the barrier follows from what then runs: an optimizer step that
@@ -77,7 +81,8 @@ _since_barrier: weakref.WeakSet[_Trained] = weakref.WeakSet()
 def update_pending(optimizer: torch.optim.Optimizer) -> bool:
     """At the end of ``optimizer``'s step: its update is pending IR, as an eager step leaves it.
 
-    A compiled step (with any backend) leaves its parameters as device data.
+    A compiled step (with any backend) leaves its parameters as device data on
+    one device; under SPMD as pending sharding annotations (module docstring).
     Reads one parameter, the first with a gradient: a step updates every
     parameter with a gradient, all eagerly or all in one compiled graph.
     """
