@@ -48,6 +48,63 @@ def recompile_limit(limit: int) -> Iterator[None]:
         torch._dynamo.config.recompile_limit = before
 
 
+# First: the model of which dynamo compiles no graph runs before any dynamo reset (see main).
+class _Squash(nn.Module):
+    """A block the user keeps out of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    @torch._dynamo.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * 2
+
+
+class _WithSquash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.inp = nn.Linear(8, 16)
+        self.squash = _Squash()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dynamo breaks the graph at the disabled block and resumes after it: two graphs, eager ops between.
+        return self.out(torch.relu(self.squash(torch.relu(self.inp(x)))))
+
+
+def _train_squash(r: Run, model: nn.Module, steps: int) -> Record:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fwd = r.compile(model)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(fwd(_data(40 + i, 4, 8).to(r.device)), _data(80 + i, 4, 1).to(r.device))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        r.end_iteration()
+    return r.record({"model": model}, values=losses)
+
+
+@loop
+def sequential_with_disabled_block(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
+    """An ``nn.Sequential`` with a block under ``torch._dynamo.disable``: dynamo cannot resume inside its
+    ``for`` loop, so it compiles no graph of the model (it all runs eagerly), eager AdamW, no sync."""
+    r = Run(backend, device)
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Squash(), nn.ReLU(), nn.Linear(16, 1)).to(r.device)
+    return _train_squash(r, model, steps)
+
+
+@loop
+def disabled_block(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
+    """A model whose forward calls a block under ``torch._dynamo.disable`` between two compiled graphs, eager AdamW."""
+    r = Run(backend, device)
+    return _train_squash(r, _WithSquash().to(r.device), steps)
+
+
 @loop
 def onecycle_compiled_adamw(backend: Optional[str], device: str = "xla", steps: int = 9) -> Record:
     """``AdamW(lr=tensor)`` + OneCycleLR (``cycle_momentum`` rewrites ``betas[0]``, a float, every step),
@@ -116,66 +173,6 @@ def varying_lengths(backend: Optional[str], device: str = "xla") -> Record:
 def varying_lengths_compiled_optimizer(backend: Optional[str], device: str = "xla") -> Record:
     """As :func:`varying_lengths`, with ``opt.step`` compiled too."""
     return _varying_lengths(backend, device, compiled_optimizer=True)
-
-
-class _Squash(nn.Module):
-    """A block the user keeps out of the graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    @torch._dynamo.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) * 2
-
-
-class _WithSquash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(8)
-        self.inp = nn.Linear(8, 16)
-        self.squash = _Squash()
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dynamo breaks the graph at the disabled block and resumes after it: two graphs, eager ops between.
-        return self.out(torch.relu(self.squash(torch.relu(self.inp(x)))))
-
-
-def _train_squash(r: Run, model: nn.Module, steps: int) -> Record:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    fwd = r.compile(model)
-    losses = []
-    for i in range(steps):
-        opt.zero_grad()
-        loss = F.mse_loss(fwd(_data(40 + i, 4, 8).to(r.device)), _data(80 + i, 4, 1).to(r.device))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        r.end_iteration()
-    return r.record({"model": model}, values=losses)
-
-
-@loop
-def sequential_with_disabled_block(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
-    """An ``nn.Sequential`` with a block under ``torch._dynamo.disable``: dynamo cannot resume inside its
-    ``for`` loop, so it compiles no graph of the model (it all runs eagerly), eager AdamW, no sync."""
-    r = Run(backend, device)
-    torch.manual_seed(8)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Squash(), nn.ReLU(), nn.Linear(16, 1)).to(r.device)
-    return _train_squash(r, model, steps)
-
-
-@loop
-def disabled_block(backend: Optional[str], device: str = "xla", steps: int = 5) -> Record:
-    """A model whose forward calls a block under ``torch._dynamo.disable`` between two compiled graphs, eager AdamW."""
-    r = Run(backend, device)
-    return _train_squash(r, _WithSquash().to(r.device), steps)
-
-
-# The model of which dynamo compiles no graph first (see main).
-LOOPS = {"sequential_with_disabled_block": LOOPS.pop("sequential_with_disabled_block"), **LOOPS}
 
 
 # Explained runs (``python fallback_loops.py explain``): each loop under a backend that runs it to the end
