@@ -37,6 +37,7 @@ this module's warning and the step counts' move are lost.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -107,28 +108,46 @@ def watch() -> None:
         dynamo_log.addFilter(_FILTER)
 
 
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """Dynamo's report that it stops compiling ``function`` (compiled with ``backend``) at ``limit``."""
+
+    limit: str  # the config's name: "recompile_limit"
+    value: Any  # its value
+    function: str  # as dynamo names it: "'step' (.../adam.py:213)"
+    guard: str  # the guard that failed last
+    backend: str
+    optimizer: Optional[torch.optim.Optimizer]  # the optimizer whose step it is, if it is one
+
+
+def give_up_of(record: logging.LogRecord) -> Optional[GiveUp]:
+    """The give-up ``record`` reports, read while dynamo compiles the frame; None for any other record."""
+    hit = _private.recompile_limit_hit(record)
+    if hit is None:
+        return None
+    local, backend = _private.frame_being_compiled()
+    return GiveUp(*hit, backend=backend, optimizer=_optimizer_of(local))
+
+
 class _GiveUpFilter(logging.Filter):
     """Sees every record of dynamo's frame-conversion logger; acts on a give-up in a fused backend."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        hit = _private.recompile_limit_hit(record)
-        if hit is not None:
-            local, backend = _private.frame_being_compiled()
-            if backend in BACKEND_NAMES:
-                gave_up(backend, *hit, optimizer=optimizer_of(local))
+        give_up = give_up_of(record)
+        if give_up is not None and give_up.backend in BACKEND_NAMES:
+            gave_up(give_up)
         return True  # dynamo's own warning is printed as always
 
 
 _FILTER = _GiveUpFilter()
 
 
-def gave_up(backend: str, limit: str, value: Any, function: str, guard: str,
-            optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Dynamo stopped compiling ``function`` (compiled with ``backend``) at ``limit``; ``guard`` failed last."""
+def gave_up(g: GiveUp) -> None:
+    """Dynamo stopped compiling a function of one of the backends: step counts to the host, one warning."""
     counting.bump(DYNAMO_GAVE_UP_COUNTER)
-    if optimizer is not None:
-        host_step_counts(optimizer)
-    _warn_once(backend, function, advice(backend, limit, value, function, guard, optimizer is not None))
+    if g.optimizer is not None:
+        host_step_counts(g.optimizer)
+    _warn_once(g.backend, g.function, advice(g.backend, g.limit, g.value, g.function, g.guard, g.optimizer is not None))
 
 
 def advice(backend: str, limit: str, value: Any, function: str, guard: str, is_optimizer: bool) -> str:
@@ -176,7 +195,7 @@ def _warn_once(backend: str, function: str, message: str) -> None:
     warnings.warn(message, stacklevel=2)
 
 
-def optimizer_of(local: dict[str, Any]) -> Optional[torch.optim.Optimizer]:
+def _optimizer_of(local: dict[str, Any]) -> Optional[torch.optim.Optimizer]:
     """The optimizer whose step a given-up frame runs: its ``self``, or the first argument of a wrapper."""
     candidates = [local.get("self"), *_wrapper_args(local)[:1]]
     return next((c for c in candidates if isinstance(c, torch.optim.Optimizer)), None)

@@ -115,12 +115,11 @@ class _GaveUpFilter(logging.Filter):
         self.explainer = explainer
 
     def filter(self, record: logging.LogRecord) -> bool:
-        hit = _private.recompile_limit_hit(record)
-        if hit is not None:
-            limit, value, function, guard = hit
-            local, backend = _private.frame_being_compiled()
-            optimizer = dynamo_fallback.optimizer_of(local) is not None
-            self.explainer._emit(ev.DynamoGaveUp(function, f"{limit}={value}", guard, backend, optimizer))
+        g = dynamo_fallback.give_up_of(record)
+        if g is not None:
+            self.explainer._emit(
+                ev.DynamoGaveUp(g.function, f"{g.limit}={g.value}", g.guard, g.backend, g.optimizer is not None)
+            )
         return True
 
 

@@ -112,8 +112,8 @@ def predict(step: "Step") -> list[Prediction]:
     # Where dynamo gave up on a compiled optimizer step, the eager step reads its step counts, which
     # dynamo had moved onto the device, one execution each; both fused backends move them back to
     # the host when dynamo gives up (as an optimizer never compiled keeps them): no such read.
-    counts_read = [e for e in before if step.eager_optimizer_step and e.in_optimizer and e.cause in _READS]
-    reads = [i for i, e in enumerate(before) if e.cause in _READS and not (e in counts_read)]
+    counts_read = [step.eager_optimizer_step and e.in_optimizer and e.cause in _READS for e in before]
+    reads = [i for i, e in enumerate(before) if e.cause in _READS and not counts_read[i]]
     # A read between a forward and the cut makes that backend execute the forward on its own.
     alone = sum(e.cause is Cause.FORWARD for e in before[: reads[-1]]) if reads else 0
     low = 1 + len(reads) + alone
@@ -125,7 +125,7 @@ def predict(step: "Step") -> list[Prediction]:
             f"under {FUSED_GRAD} a read before the optimizer step executes nothing, so is not seen; "
             f"explain under openxla for an exact count",
         )
-    fused_grad_total = step.total - len(step.avoidable) - len(counts_read)
+    fused_grad_total = step.total - len(step.avoidable) - sum(counts_read)
     fused_grad = Prediction(FUSED_GRAD, fused_grad_total, fused_grad_total)
     eager_optimizer = step.optimizer_end is not None and not any(e.cause is Cause.OPTIMIZER for e in step.executions)
     if eager_optimizer and not any(e.detail.startswith(FUSED_GRAD_SYNC) for e in step.executions):
