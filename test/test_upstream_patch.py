@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -295,3 +296,51 @@ def test_upstream_suite_subset_in_every_mode(tmp_path):
             assert r["imported"]["torch_xla"].endswith(want), (mode, r["imported"])
             if mode in suite.BACKEND_MODES:
                 assert r["imported"]["torch_xla_bridge"] == str(ROOT / "torch_xla_bridge" / "__init__.py")
+
+
+def test_a_file_run_by_pytest_resumes_after_a_crash_and_names_order_dependent_failures(tmp_path):
+    """The runner's pytest mode on a file of its own: one process in definition order, a crash costs
+    only the test in flight, and a test that fails there but passes in the file's own run is
+    reported (an earlier test left the process unusable), unless upstream fails it that way too."""
+    tests = tmp_path / suite.TEST_DIR
+    tests.mkdir(parents=True)
+    (tests / "test_order.py").write_text(textwrap.dedent("""
+        import os, unittest
+        STATE = []
+
+        class TB(unittest.TestCase):
+            def test_b_poisons(self):
+                STATE.append("poison")
+
+        class TA(unittest.TestCase):
+            def test_a_needs_clean_state(self):
+                self.assertEqual(STATE, [])
+
+        class TC(unittest.TestCase):
+            def test_c_crashes(self):
+                os.abort()
+
+            def test_d_after_the_crash(self):
+                pass
+
+        if __name__ == "__main__":
+            unittest.main()
+    """))
+    own = suite.run_file(tmp_path, "test_order.py", {}, timeout=HANG_TIMEOUT_S)
+    by_pytest = suite.run_file(tmp_path, "test_order.py", {}, timeout=HANG_TIMEOUT_S, runner="pytest")
+    # `python FILE` takes the classes alphabetically (TA before TB): test_a passes there; pytest
+    # takes them in definition order, TB first.
+    assert own.outcomes["__main__.TA.test_a_needs_clean_state"] == "ok"
+    assert {t.split("::")[-1]: o for t, o in by_pytest.outcomes.items()} == {
+        "test_b_poisons": "ok", "test_a_needs_clean_state": "failure", "test_c_crashes": "crashed",
+        "test_d_after_the_crash": "ok",
+    }
+    assert by_pytest.attempts == 2 and len(by_pytest.crashes) == 1
+    per_file = {"test_order.py": own, "test_order.py" + suite.PYTEST_SUFFIX: by_pytest}
+    poisoned = suite.order_dependent(per_file, "test_order.py" + suite.PYTEST_SUFFIX)
+    assert [t.split("::")[-1] for t in poisoned] == ["test_a_needs_clean_state"]
+    # Against an upstream whose own run of the file failed alike (the crash), only the order dependence is new.
+    unexpected, _ = suite.unexpected_failures({"upstream": {"test_order.py": own}, suite.BACKEND_MODES[0]: per_file})
+    assert len(unexpected) == 1 and "test_a_needs_clean_state" in unexpected[0] and "pytest's order" in unexpected[0]
+    # The same order dependence under upstream is upstream's, not the backend's.
+    assert suite.unexpected_failures({"upstream": per_file, suite.BACKEND_MODES[0]: per_file}) == ([], [])

@@ -150,12 +150,23 @@ class _Pair:
         self.check_uncut_step()
 
     def forward_pending(self, pending: list[torch.Tensor]) -> None:
-        """``on_pending`` of the forward: join the step, or (unfused) execute on its own at once."""
+        """``on_pending`` of the forward: join the step, or (unfused) execute at once.
+
+        Unfused, it executes on its own, or, where a step holds work (the
+        previous micro-batch's backward, a step a read left uncut), as that
+        step's cut: a sync of these outputs alone would donate the buffers of
+        the state the forward writes (BatchNorm's statistics), which the
+        step's pending IR may still read, and the step would grow by a
+        backward per call where nothing else cuts it. Either is one execution.
+        """
         if self.unfused_reason is not None:
+            if _open_step() is not None:
+                end_step()
+                return
             counting.bump(FORWARD_ALONE_COUNTER)
             grad_sync.sync(pending, fresh=True)
             return
-        _current_step()
+        _current_step().forwards[id(self)] = self
         self.launches_at_forward = _launches()
         self.forward_outputs = [weakref.ref(t) for t in pending]
 
@@ -177,15 +188,37 @@ class _Step:
 
     Strongly referenced only by its step closure, which torch_xla runs and
     drops at the next step barrier (``torch_xla.sync()``, our cuts): so
-    :data:`_open` holds it exactly while the step is pending, and nothing of
-    it outlives the cut.
+    :data:`_open` holds it while the step is pending, and nothing of it
+    outlives the cut. A step that an exception abandoned before any backward
+    joined it (forwards whose outputs all died or were read) holds no work:
+    :func:`_open_step` closes it, so that it does not draw later graphs in.
     """
 
-    __slots__ = ("pairs", "__weakref__")
+    __slots__ = ("pairs", "forwards", "joined", "__weakref__")
 
     def __init__(self) -> None:
         # Pairs whose backward joined this step, by identity.
         self.pairs: dict[int, _Pair] = {}
+        # Pairs whose forward joined it (their latest forward's outputs: _Pair.forward_outputs).
+        self.forwards: dict[int, _Pair] = {}
+        # What else was left pending in it before any backward joined (the state a forward
+        # writes, a no-backward graph's outputs), weakly.
+        self.joined: list[weakref.ref[torch.Tensor]] = []
+
+    def join(self, pending: Sequence[torch.Tensor]) -> None:
+        self.joined.extend(weakref.ref(t) for t in pending)
+
+    def holds_work(self) -> bool:
+        """A backward joined, or something that joined is alive and still pending.
+
+        Before a backward, at most a forward's outputs and what a few graphs
+        wrote are walked: this runs where a graph may join the step.
+        """
+        if self.pairs:
+            return True
+        refs = [*self.joined, *(r for pair in self.forwards.values() for r in pair.forward_outputs)]
+        alive = [t for t in (r() for r in refs) if t is not None]
+        return bool(alive) and any(_private.need_materialization(alive))
 
     def at_step_end(self) -> None:
         for pair in self.pairs.values():
@@ -196,9 +229,21 @@ class _Step:
 _open: weakref.WeakSet[_Step] = weakref.WeakSet()
 
 
+def _open_step() -> Optional[_Step]:
+    """The pending step, if it holds work; one that holds none is closed (its step closure,
+    still queued, finds no pair at the next barrier)."""
+    for step in list(_open):
+        if step.holds_work():
+            return step
+        log.debug("the open step holds no pending work (abandoned before its backward): closed")
+        _open.discard(step)
+    return None
+
+
 def _current_step() -> _Step:
     """The pending step, opened (its step closure queued) if there is none."""
-    for step in _open:
+    step = _open_step()
+    if step is not None:
         return step
     step = _Step()
     _open.add(step)
@@ -219,7 +264,7 @@ def _cut_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
     even where dynamo compiled the optimizer's wrapper but runs the step
     itself eagerly (it gave up on the step).
     """
-    if not _open and dynamo_fallback.trained_with(optimizer) != STEP_BACKEND_NAME:
+    if _open_step() is None and dynamo_fallback.trained_with(optimizer) != STEP_BACKEND_NAME:
         return
     # An update compiled with another backend executed it and the step's pending work with it:
     # the next forward notices (_Pair.check_uncut_step), as without this hook.
@@ -251,7 +296,7 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     Nothing with no step of this backend pending, once every parameter with
     a gradient has state, and for an optimizer without ``_init_group(group, *lists)``.
     """
-    if not _open or optimizer in _state_created:
+    if _open_step() is None or optimizer in _state_created:
         return
     _state_created.add(optimizer)
     fresh = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in optimizer.state]
@@ -304,6 +349,11 @@ def register_optimizer_hooks() -> None:
         _optimizer_hooks.append(register_optimizer_step_post_hook(_cut_after_optimizer_step))
 
 
+def _inputs_at(args: Sequence[Any], positions: Sequence[int]) -> list[torch.Tensor]:
+    """The tensors among ``args`` at ``positions`` (an AOTAutograd graph's updated inputs)."""
+    return [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
 def _pending_parameters(args: Sequence[Any]) -> bool:
     # Parameters only: a checkpointed block's recomputation gets its input as a
     # detached leaf that requires grad and is pending, which is no update.
@@ -347,7 +397,7 @@ class _FreshState:
     def __call__(self, args: Sequence[Any]) -> None:
         if self.updated and _private.execution_allowed():
             updated, self.updated = self.updated, ()
-            _materialize_constant([args[i] for i in updated if i < len(args) and isinstance(args[i], torch.Tensor)])
+            _materialize_constant(_inputs_at(args, updated))
 
 
 def _materialize_constant(tensors: Sequence[torch.Tensor]) -> None:
@@ -408,7 +458,8 @@ def compilers() -> dict[str, deferred.Compiler]:
     pair = _Pair()
 
     def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
-        fresh_state = _FreshState(deferred.updated_inputs())
+        updated = deferred.updated_inputs() or ()
+        fresh_state = _FreshState(updated)
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
             on_pending=pair.forward_pending, validate=True,
@@ -418,7 +469,11 @@ def compilers() -> dict[str, deferred.Compiler]:
         def step_forward(args: list) -> Any:
             pair.before_forward(args)
             fresh_state(args)
-            return graph(args)
+            written = _inputs_at(args, updated)  # before the call clears args
+            outs = graph(args)
+            if pair.unfused_reason is None:
+                _current_step().join(written)  # state the forward writes (BatchNorm's statistics)
+            return outs
 
         return boxed(step_forward)
 
@@ -451,26 +506,29 @@ def compilers() -> dict[str, deferred.Compiler]:
                 return update(args)
 
             return boxed(update_state)
-        # Outside a step: this call's pending inputs, executed with its outputs (as upstream
-        # syncs them before its graph, but in the same execution), so no later read recomputes them.
-        pending_inputs: list[torch.Tensor] = []
+        # This call's step (None: outside one) and, outside one, its pending inputs, executed with
+        # its outputs (as upstream syncs them before its graph, but in the same execution), so no
+        # later read recomputes them.
+        call: dict[str, Any] = {"step": None, "pending_inputs": []}
 
         def join_step_or_sync(pending: list[torch.Tensor]) -> None:
-            """``on_pending``: join an open step, else execute the outputs and pending inputs at once."""
-            if not _open:
+            """``on_pending``: join the call's step, else execute the outputs and pending inputs at once."""
+            if call["step"] is None:
                 counting.bump(FORWARD_ALONE_COUNTER)
-                grad_sync.sync([*pending, *pending_inputs], fresh=True)
+                grad_sync.sync([*pending, *call["pending_inputs"]], fresh=True)
+            else:
+                call["step"].join(pending)
 
         graph = DeferredGraph(gm, example_inputs, on_pending=join_step_or_sync, **common)
 
         def join_step(args: list) -> Any:
-            if _in_training(args):
-                _current_step()
-            pending_inputs[:] = [] if _open else _pending_xla_inputs(args)
+            # A graph in training opens the step (a checkpointed block: nothing else pending yet).
+            step = call["step"] = _current_step() if _in_training(args) else _open_step()
+            call["pending_inputs"] = [] if step is not None else _pending_xla_inputs(args)
             try:
                 return graph(args)
             finally:
-                pending_inputs.clear()
+                call["step"], call["pending_inputs"] = None, []
 
         return boxed(join_step)
 

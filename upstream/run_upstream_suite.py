@@ -23,6 +23,13 @@ file is rerun without the tests that already have an outcome. The report
 lists per file and mode the tests passed and failed, and the failures that
 are new against ``upstream``.
 
+The files of :data:`PYTEST_FILES` also run as ``python -m pytest FILE``, one
+process in pytest's order (test classes in definition order, where ``python
+FILE`` takes them alphabetically), as their users run them: a test that fails there but passes
+in the file's own run failed because of what an earlier test left behind (an
+exception inside a step). ``--check`` fails on such a test in a backend mode
+unless it fails that way under ``upstream`` too.
+
     python upstream/run_upstream_suite.py --checkout /path/to/xla                # a work tree
     python upstream/run_upstream_suite.py --checkout /path/to/xla.git --ref v2.9.0
     python upstream/run_upstream_suite.py ... --modes upstream,patched --files test_dynamo.py --json out.json
@@ -59,6 +66,9 @@ TEST_DIR = "test/dynamo"
 FILE_ENV = {
     "test_dynamo_graph_dump.py": {"XLA_SAVE_TENSORS_FILE": "{tree}/xla_test_save_ir.txt", "XLA_SAVE_TENSORS_FMT": "text"},
 }
+# Files also run as one pytest process (see the module docstring), reported as "FILE (pytest)".
+PYTEST_FILES = ("test_dynamo.py",)
+PYTEST_SUFFIX = " (pytest)"
 # Outcomes that count as a failure.
 FAILED = ("failure", "error", "unexpected_success", "crashed", "timeout")
 
@@ -123,6 +133,50 @@ _RECORDER = textwrap.dedent(
     runpy.run_path(path, run_name="__main__")
     """
 )
+
+
+# A pytest plugin recording what _RECORDER records (pytest's node ids), for a pytest run.
+_PYTEST_PLUGIN = textwrap.dedent(
+    """
+    import json, os
+
+    _out = open(os.environ["RUS_RECORD"], "a", buffering=1)
+
+    def _write(**kw):
+        _out.write(json.dumps(kw) + "\\n")
+
+    def pytest_sessionstart(session):
+        import torch_xla
+        _write(torch_xla=torch_xla.__file__)
+        if os.environ.get("RUS_BACKEND"):
+            import torch_xla_bridge
+            _write(torch_xla_bridge=torch_xla_bridge.__file__)
+
+    def pytest_runtest_logstart(nodeid, location):
+        _write(test=nodeid, outcome="started")
+
+    def pytest_runtest_logreport(report):
+        # One outcome per test: a failed or skipped phase, else the call's success.
+        if report.failed:
+            outcome = "error" if report.when != "call" else "failure"
+            _write(test=report.nodeid, outcome=outcome, detail=str(report.longrepr).strip().splitlines()[-1][:300])
+        elif report.skipped:
+            _write(test=report.nodeid, outcome="skipped")
+        elif report.when == "call":
+            _write(test=report.nodeid, outcome="ok")
+    """
+)
+
+
+def unittest_id(pytest_id: str) -> str:
+    """A pytest node id of a test file (``FILE::Class::test_x``) as _RECORDER's id without its
+    parameters (``__main__.Class.test_x``), to compare a test's outcomes under both runners."""
+    return "__main__." + ".".join(pytest_id.split("::")[1:])
+
+
+def _bare(test_id: str) -> str:
+    """A unittest id without a parameterized test's parameters."""
+    return re.sub(r" \(.*\)$", "", test_id)
 
 
 # Where a pytorch/xla checkout is looked for when none is given: the
@@ -265,19 +319,35 @@ class FileResult:
         return {t for t, o in self.outcomes.items() if o in FAILED}
 
 
+def _command(tree: pathlib.Path, test_file: str, runner: str, patterns: Sequence[str], done: Sequence[str]) -> list[str]:
+    """How ``runner`` runs one file: as ``python FILE -v`` (through _RECORDER, which skips the tests in
+    ``done``) or as ``python -m pytest FILE`` (with _PYTEST_PLUGIN, ``done`` deselected)."""
+    path = str(tree / TEST_DIR / test_file)
+    if runner == "unittest":
+        return [sys.executable, str(tree / "_recorder.py"), path, "-v"] + [a for p in patterns for a in ("-k", p)]
+    return ([sys.executable, "-m", "pytest", path, "-q", "-p", "_rus_pytest_plugin", "-p", "no:cacheprovider"]
+            + (["-k", " or ".join(f"({p})" for p in patterns)] if patterns else [])
+            + [a for t in done for a in ("--deselect", t)])
+
+
 def run_file(
     tree: pathlib.Path, test_file: str, env_extra: dict, timeout: float, patterns: Sequence[str] = (),
-    max_attempts: int = 20,
+    max_attempts: int = 20, runner: str = "unittest",
 ) -> FileResult:
-    """Runs one file until every test has an outcome; a test in flight at a crash or timeout gets one."""
+    """Runs one file until every test has an outcome; a test in flight at a crash or timeout gets one.
+
+    ``runner``: ``unittest`` (``python FILE``) or ``pytest`` (``python -m pytest FILE``, ids are pytest's).
+    """
     result = FileResult()
-    recorder = tree / "_recorder.py"
-    recorder.write_text(_RECORDER)
-    record = tree / f"_record_{test_file}.jsonl"
+    (tree / "_recorder.py").write_text(_RECORDER)
+    (tree / "_rus_pytest_plugin.py").write_text(_PYTEST_PLUGIN)
+    record = tree / f"_record_{runner}_{test_file}.jsonl"
     # CI: torch's run_tests() takes any non-empty CI as pytorch's own CI and then reports through
     # xmlrunner (a pytorch CI dependency): without it every file fails at import, in every mode alike.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_DYNAMO_FUSED_GRAD", "CI")}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", **env_extra)
+    if runner == "pytest":  # the plugin, importable by name
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(tree)) if p)
     env.update({k: v.format(tree=tree) for k, v in FILE_ENV.get(test_file, {}).items()})
     start = time.monotonic()
     while result.attempts < max_attempts:
@@ -287,8 +357,7 @@ def run_file(
         env["RUS_SKIP"] = json.dumps(sorted(result.outcomes))
         try:
             proc = subprocess.run(
-                [sys.executable, str(recorder), str(tree / TEST_DIR / test_file), "-v"]
-                + [a for p in patterns for a in ("-k", p)],
+                _command(tree, test_file, runner, patterns, sorted(result.outcomes)),
                 cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
             )
             ended, rc, tail = "crashed", proc.returncode, (proc.stdout + proc.stderr)[-4000:]
@@ -353,11 +422,7 @@ EXPECTED_NEW_FAILURES: dict[tuple[str, str, str], str] = {
     (_STEP, "test_dynamo.py", "__main__.DynamoInferenceBasicTest.test_simple_model"):
         _BRIDGE_METRIC.format("DynamoSyncInputExecuteTime") + "; the fused step executes an inference graph's "
         "pending inputs in the graph's own execution, one where upstream runs two, and leaves them materialized "
-        "as upstream does (run after test_resnet180, the graph joins the step that test left open: see below)",
-    (_STEP, "test_dynamo.py", "__main__.DynamoInferenceBasicTest.test_simple_model_with_different_input_shape"):
-        "run after test_resnet180, whose ResNet forward (parameters requiring grad, no torch.no_grad()) is a "
-        "training forward that opens a step and raises before anything cuts it: this test's graph joins that "
-        "open step, so it compiles at the read, not at the call (CompileTime None); it passes on its own",
+        "as upstream does",
     (_STEP, "test_dynamo_config.py", "__main__.DynamoconfigTest.test_config_skip_input_data_check"):
         "asserts the effect of config.skip_input_data_check, a switch of upstream's bridge, which the fused step does not use",
     (_STEP, "test_dynamo_graph_dump.py", "__main__.DynamoGraphDumpTest.test_dump_graph_with_dynamo_execution"):
@@ -383,6 +448,13 @@ def unexpected_failures(results: dict[str, dict[str, "FileResult"]]) -> tuple[li
         if mode == "upstream":
             continue
         for f, r in per_file.items():
+            if f.endswith(PYTEST_SUFFIX):
+                upstream_too = order_dependent(base, f) if f in base else set()
+                unexpected += [
+                    f"{mode}: {f} {t}: fails in pytest's order, passes in the file's own run (an earlier test "
+                    f"left the process unusable)" for t in sorted(order_dependent(per_file, f) - upstream_too)
+                ]
+                continue
             allowed = {**EXPECTED_NEW_FAILURES, **KNOWN_DEFECTS}
             for t in sorted(r.failed - (base[f].failed if f in base else set())):
                 if (mode, f, t) not in allowed:
@@ -391,6 +463,17 @@ def unexpected_failures(results: dict[str, dict[str, "FileResult"]]) -> tuple[li
                 if m == mode and lf == f and r.outcomes.get(t) == "ok":
                     fixed.append(f"{mode}: {f} {short(t)} passes: remove it from the list")
     return unexpected, fixed
+
+
+def order_dependent(per_file: dict[str, "FileResult"], pytest_key: str) -> set[str]:
+    """Tests of a file that failed in its pytest run (``pytest_key``) but passed in its own run."""
+    own = per_file.get(pytest_key.removesuffix(PYTEST_SUFFIX))
+    if own is None:
+        return set()
+    passed = {_bare(t) for t, o in own.outcomes.items() if o == "ok"}
+    failed = {_bare(t) for t in own.failed}
+    # A parameterized test passes in its own run only if every one of its cases does.
+    return {t for t in per_file[pytest_key].failed if unittest_id(t) in passed - failed}
 
 
 def normalize(test_id: str) -> str:
@@ -420,11 +503,16 @@ def report(results: dict[str, dict[str, FileResult]], modes: list[str]) -> str:
                 new = sorted(r.failed - base.failed)
                 cell += f" (+{len(new)})"
                 notes += [f"- {mode}: `{f}` {short(t)}: {r.outcomes[t]}" for t in new]
+            if f.endswith(PYTEST_SUFFIX):
+                cell += f" order {len(order_dependent(results[mode], f))}"
             if r.crashes:
                 cell += " crash"
             cells.append(cell)
         rows.append(f"| {f} | " + " | ".join(cells) + " |\n")
-    legend = "\nCells: passed / failed (+ failures new against upstream); 'crash': a subprocess died and the file was resumed.\n"
+    legend = (
+        "\nCells: passed / failed (+ failures new against upstream); 'crash': a subprocess died and the file was "
+        f"resumed; 'order N' (rows{PYTEST_SUFFIX}): N tests failed in pytest's order that passed in the file's own run.\n"
+    )
     return head + "".join(rows) + legend + ("\nNew failures:\n" + "\n".join(notes) + "\n" if notes else "")
 
 
@@ -445,6 +533,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "or unchanged")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 on a failure new against upstream that EXPECTED_NEW_FAILURES / KNOWN_DEFECTS do not list")
+    ap.add_argument("--no-pytest", action="store_true",
+                    help=f"do not also run {', '.join(PYTEST_FILES)} as one pytest process")
     ap.add_argument("--keep", type=pathlib.Path, help="build the trees here and keep them")
     args = ap.parse_args(argv)
     if args.checkout is None:
@@ -461,10 +551,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             names = args.files.split(",") if args.files else sorted(
                 p.name for p in (tree / TEST_DIR).glob("test_*.py")
             )
-            for name in names:
-                r = run_file(tree, name, env, args.timeout, args.patterns)
-                results.setdefault(mode, {})[name] = r
-                print(f"{mode:20} {name:34} passed {r.count('ok'):3} failed {len(r.failed):3} "
+            runs = [(name, "unittest") for name in names] + [
+                (name, "pytest") for name in names if name in PYTEST_FILES and not args.no_pytest]
+            for name, runner in runs:
+                r = run_file(tree, name, env, args.timeout, args.patterns, runner=runner)
+                key = name + (PYTEST_SUFFIX if runner == "pytest" else "")
+                results.setdefault(mode, {})[key] = r
+                print(f"{mode:20} {key:34} passed {r.count('ok'):3} failed {len(r.failed):3} "
                       f"skipped {r.count('skipped'):3} {r.seconds:6.0f}s"
                       + (f" crashes: {', '.join(map(short, r.crashes))}" if r.crashes else ""), flush=True)
                 if not r.outcomes:
