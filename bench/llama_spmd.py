@@ -99,7 +99,8 @@ def row(devices: int, mesh: str, mode: str, run: dict[str, Any], lazy: dict[str,
         executions_per_step=statistics.mode(steady), executions_steady=steady, executions=run["executions"],
         compiled_after_warmup={k: after[k] - then[k] for k in after},
         max_loss_diff=max(abs(a - b) for a, b in zip(run["losses"], lazy["losses"], strict=True)),
-        losses=run["losses"], device_peak_mb=run.get("device_peak_mb"), donated_mb=run.get("donated_mb"),
+        losses=run["losses"], median_step_ms=1000 * statistics.median(run["step_s"][WARMUP:]),
+        device_peak_mb=run.get("device_peak_mb"), donated_mb=run.get("donated_mb"),
         programs_compiled=run.get("programs_compiled"),
     )
 
