@@ -24,6 +24,7 @@ bench.spmd wrote there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -70,7 +71,10 @@ def worker(mesh: str, modes: Sequence[str], steps: int, path: str, extra: Sequen
         if analysis:
             with open(analysis) as f:
                 f.seek(start)
-                out[mode].update(memory.summary(memory.parse(f.read())))
+                programs = memory.parse(f.read())
+            out[mode].update(memory.summary(programs))
+            if programs:  # its buffers by kind, in bytes
+                out[mode]["largest_program"] = dataclasses.asdict(max(programs, key=lambda p: p.own_bytes))
     with open(path, "w") as f:
         json.dump(out, f)
 
@@ -101,7 +105,7 @@ def row(devices: int, mesh: str, mode: str, run: dict[str, Any], lazy: dict[str,
         max_loss_diff=max(abs(a - b) for a, b in zip(run["losses"], lazy["losses"], strict=True)),
         losses=run["losses"], median_step_ms=1000 * statistics.median(run["step_s"][WARMUP:]),
         device_peak_mb=run.get("device_peak_mb"), donated_mb=run.get("donated_mb"),
-        programs_compiled=run.get("programs_compiled"),
+        programs_compiled=run.get("programs_compiled"), largest_program=run.get("largest_program"),
     )
 
 
