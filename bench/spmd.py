@@ -165,8 +165,11 @@ def main() -> None:
     for b, outcome in changes.items():
         print(f"batch layout change after 7 steps, {b}: {outcome}")
     if args.json:
+        # Keeps what bench.llama_spmd wrote into the same file ("llama").
+        data = json.loads(open(args.json).read()) if os.path.exists(args.json) else {}
+        data.update(rows=rows, layout_change=changes)
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, layout_change=changes), f, indent=2)
+            json.dump(data, f, indent=2)
 
 
 if __name__ == "__main__":

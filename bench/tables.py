@@ -2,7 +2,7 @@
 
 README.md and the pages under docs/ quote the results committed in docs/benchmarks/
 (results.json from `python -m bench`, host_time.json from `bench.host_time`, per_op.json
-from `bench.per_op`, spmd.json from `bench.spmd --json`) in two forms, both written here:
+from `bench.per_op`, spmd.json from `bench.spmd --json` and `bench.llama_spmd --json`) in two forms, both written here:
 
 - a generated region, a caption and its table, between two marker lines::
 
@@ -103,6 +103,13 @@ class Data:
                 return r
         raise KeyError(f"spmd.json: no row {layout}/{loop}")
 
+    def llama_row(self, devices: int, mesh: str, mode: str) -> dict:
+        """A row of bench.llama_spmd's (``mesh``: fsdp or 2d, as its --mesh)."""
+        for r in self.spmd["llama"]["rows"]:
+            if (r["devices"], r["mesh_kind"], r["mode"]) == (devices, mesh, mode):
+                return r
+        raise KeyError(f"spmd.json: no llama row {devices}/{mesh}/{mode}")
+
 
 # --- formatting ------------------------------------------------------------------------------
 
@@ -132,6 +139,8 @@ def fmt(field: str, v) -> str:
         return f"{v:.2f} s"
     if field == "max_param_diff":
         return f"{v:.3g}"
+    if field == "max_loss_diff":
+        return f"{v:.1e}"
     return f"{v:g}"
 
 
@@ -152,7 +161,8 @@ def span(texts: list[str]) -> str:
 
 def _lookup(data: Data, parts: list[str]):
     """The value at a path: results/WORKLOAD/LOOP[xMICRO]/MODE/FIELD, host/WORKLOAD/MODE/FIELD,
-    per_op/on|off/FIELD[/KEY...], spmd/LAYOUT/LOOP/FIELD[/KEY] (spaces in names written as '_')."""
+    per_op/on|off/FIELD[/KEY...], spmd/LAYOUT/LOOP/FIELD[/KEY], llama/DEVICES/fsdp|2d/MODE/FIELD[/KEY]
+    (spaces in names written as '_')."""
     kind, *rest = parts
     if kind == "results":
         workload, loop, mode, field = rest
@@ -168,6 +178,9 @@ def _lookup(data: Data, parts: list[str]):
     elif kind == "spmd":
         layout, loop, *keys = rest
         row = data.spmd_row(layout.replace("_", " "), loop)
+    elif kind == "llama":
+        devices, mesh, mode, *keys = rest
+        row = data.llama_row(int(devices), mesh, mode)
     else:
         raise KeyError(f"unknown results file {kind!r}")
     value = row
@@ -430,6 +443,32 @@ def spmd(data: Data, doc: Path) -> list[str]:
     return lines
 
 
+def spmd_llama(data: Data, doc: Path) -> list[str]:
+    """bench.llama_spmd's rows: per device count, mesh and mode, what a step costs after the warm-up."""
+    llama = data.spmd["llama"]
+    a = llama["settings"]
+    lines = [
+        f"The committed run ([spmd.json]({_rel(doc, data.root / 'spmd.json')}), `python -m bench.llama_spmd`): "
+        f"Llama with hidden size {a['hidden']}, {a['layers']} layers, {a['heads']} heads ({a['kv_heads']} KV), "
+        f"vocabulary {a['vocab']}, sequences of {a['seq']}, micro-batch {a['batch']}; {llama['steps']} optimizer steps "
+        f"of {a['accum']} micro-batches each, the first {llama['warmup']} compiling; bf16 autocast, HF's non-reentrant "
+        "gradient checkpointing (lazy SPMD: none, the same math), eager AdamW with a cosine schedule. Memory: the "
+        "largest compiled program's own buffers per device (arguments + outputs - donated + temporaries), and the "
+        "bytes it donates, from XLA's memory analysis:",
+        "",
+        "| devices | mesh (fsdp, model) | mode | executions per optimizer step | compiled after warm-up "
+        "(XLA programs / dynamo frames) | max abs(loss - lazy SPMD) | largest program per device | of it donated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in llama["rows"]:
+        c = r["compiled_after_warmup"]
+        lines.append(
+            f"| {r['devices']} | ({r['mesh'][0]}, {r['mesh'][1]}) | {mode_name(r['mode'])} | {r['executions_per_step']} "
+            f"| {c['xla_programs']} / {c['dynamo_frames']} | {r['max_loss_diff']:.1e} | "
+            f"{1024 * r['device_peak_mb']:.0f} KiB | {1024 * r['donated_mb']:.0f} KiB |")
+    return lines
+
+
 REGIONS: dict[str, Callable[[Data, Path], list[str]]] = {
     "executions": executions,
     "headline": headline,
@@ -440,6 +479,7 @@ REGIONS: dict[str, Callable[[Data, Path], list[str]]] = {
     "per-op": per_op_ops,
     "per-op-embed": per_op_embed,
     "spmd": spmd,
+    "spmd-llama": spmd_llama,
 }
 
 # --- rewriting the docs ----------------------------------------------------------------------

@@ -120,6 +120,9 @@ def run(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
         out["losses"].append(loss.item())
         out["uncached_compiles"].append(counting.counter("UncachedCompile"))
         out["output_spec"].append(torch_xla._XLAC._get_xla_sharding_spec(y))
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    out["param_specs"] = [spec(p) for p in wrapped.parameters()]
+    out["state_specs"] = [[spec(opt.state[p][k]) for k in ("exp_avg", "exp_avg_sq")] for p in wrapped.parameters()]
     return out
 
 
@@ -245,54 +248,7 @@ def shared_input(backend: str, steps: int = 4) -> dict[str, Any]:
     return out
 
 
-def llama(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
-    """A tiny HF Llama wrapped as HF Trainer's ``xla_fsdp_v2`` path wraps it (FSDPv2, its ``shard_output``
-    annotating the logits), on a 2-D (2, 2) mesh ("fsdp", "tensor"), compiled whole; ``checkpoint``: HF's
-    non-reentrant gradient checkpointing (whose ``use_cache`` warning breaks the graph mid-model)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch._dynamo.reset()
-    m = xs.Mesh(np.arange(4), (2, 2), ("fsdp", "tensor"))
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="eager")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch_xla.device())
-    if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    def shard_output(output: Any, mesh: xs.Mesh) -> None:  # transformers' Trainer, xla_fsdp_v2
-        xs.mark_sharding(output.logits, mesh, ("fsdp", None, None))
-
-    wrapped = SpmdFullyShardedDataParallel(model, mesh=m, shard_output=shard_output)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    fn = wrapped if backend is None else torch.compile(wrapped, backend=backend)
-    g = torch.Generator().manual_seed(1)
-    out: dict[str, list] = {"losses": [], "executions": [], "uncached_compiles": []}
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (4, 16), generator=g).to(torch_xla.device())
-        xs.mark_sharding(ids, m, ("fsdp", None))
-        e0 = counting.executions()
-        loss = fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        xm.mark_step()
-        out["executions"].append(counting.executions() - e0)
-        out["losses"].append(loss.item())
-        out["uncached_compiles"].append(counting.counter("UncachedCompile"))
-    return out
-
-
 def main(path: str, steps: int) -> None:
-    if "--llama" in sys.argv:
-        # Lazy SPMD runs the same math without checkpointing (it rejects torch.utils.checkpoint).
-        result = {"lazy": llama(None, False, steps)}
-        for backend in BACKENDS[:2]:
-            result[f"{backend}+ckpt"] = llama(backend, True, steps)
-        with open(path, "w") as f:
-            json.dump(result, f)
-        return
     if BRIDGE_FIRST:
         installed_before = spmd_tracing.installed()
         result = {"installed_before_compile": installed_before, "lazy": run(None, False, steps),

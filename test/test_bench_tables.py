@@ -53,7 +53,7 @@ def test_the_docs_quote_results_in_generated_regions_and_figures():
     expected = {"README.md": {"executions", "headline"}, "docs/index.md": {"executions"},
                 "docs/benchmarks.md": {"bench-steps", "bench-scaling", "bench-memory", "host-time", "per-op",
                                        "per-op-embed"},
-                "docs/spmd.md": {"spmd"}}
+                "docs/spmd.md": {"spmd", "spmd-llama"}}
     for page, regions in expected.items():
         text = (ROOT / page).read_text()
         assert {m["name"] for m in tables.REGION.finditer(text)} == regions, page

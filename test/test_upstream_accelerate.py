@@ -90,3 +90,21 @@ def test_framework_switches_take_our_backend_with_the_patch(patched_root):
         assert len(model["losses"]) == 3
         assert framework["losses"] == model["losses"], example
         assert framework["graphs"] == model["graphs"] > 0, (example, results)
+
+
+def test_trainer_fsdpv2_compiled_by_its_own_switch_trains_with_trainers_losses(patched_root, tmp_path):
+    """Trainer's xla_fsdp_v2 path (FSDPv2 per decoder layer by Trainer's auto-wrap policy, and around the model
+    with Trainer's shard_output) with torch_compile_backend="openxla_fused_step", under SPMD on 4 devices:
+    the uncompiled run's logged losses, nothing compiled after the first step (trainer_fsdpv2_checks.py)."""
+    out = tmp_path / "result.json"
+    proc = run_with_path([sys.executable, str(ROOT / "test" / "trainer_fsdpv2_checks.py"), str(out)],
+                         f"{patched_root}{os.pathsep}{ROOT}", env={"CPU_NUM_DEVICES": "4"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    lazy, fused = result["uncompiled"], result["openxla_fused_step"]
+    assert fused["wrapped"] == "OptimizedModule" and lazy["wrapped"] == "SpmdFullyShardedDataParallel"
+    assert fused["layers_wrapped"] == lazy["layers_wrapped"] == 3  # 2 decoder layers + the model
+    assert len(fused["losses"]) == 4 and fused["losses"] == lazy["losses"]
+    assert fused["compiled"][1:] == [fused["compiled"][0]] * 3 and fused["compiled"][0][1] > 0
+    # Per loop iteration, Trainer's own reads (logged loss, gradient norm) included: lazy SPMD 6, the fused step 8.
+    assert lazy["executions"][1:] == [6] * 3 and fused["executions"][1:] == [8] * 3

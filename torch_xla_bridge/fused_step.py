@@ -308,8 +308,11 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
         if type(optimizer) is torch.optim.SGD:
             for group in optimizer.param_groups:
                 _zero_momentum_buffers(optimizer, group)
-    state = [t for p in fresh for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
-    _materialize_constant(state)
+    state = [(p, t) for p in fresh for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    # Under SPMD the fresh state is constant IR with no sharding: executed on its own it came out replicated,
+    # every device holding all of (e.g.) AdamW's moments of FSDP-sharded parameters. Laid out as their parameter.
+    grad_sync.keep_param_shardings([(p, t) for p, t in state if t.shape == p.shape])
+    _materialize_constant([t for _, t in state])
 
 
 def _create_momentum_buffers_at_trace_time(ctx: Any) -> None:
