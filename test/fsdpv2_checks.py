@@ -93,14 +93,16 @@ def mesh() -> xs.Mesh:
     return xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
 
 
-def run(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
-    """``steps`` training steps of FSDPv2(Model), compiled whole with ``backend`` (None: lazy SPMD)."""
+def run(backend: "str | None", checkpoint: bool, steps: int, compiled_optimizer: bool = False) -> dict[str, Any]:
+    """``steps`` training steps of FSDPv2(Model), compiled whole with ``backend`` (None: lazy SPMD);
+    ``compiled_optimizer``: ``opt.step`` compiled with it too."""
     torch._dynamo.reset()
     m = mesh()
     torch.manual_seed(0)
     wrapped = SpmdFullyShardedDataParallel(Model(checkpoint).to(torch_xla.device()), mesh=m)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     model = wrapped if backend is None else torch.compile(wrapped, backend=backend)
+    opt_step = torch.compile(opt.step, backend=backend) if compiled_optimizer else opt.step
     g = torch.Generator().manual_seed(1)
     out: dict[str, list] = {"phases": [], "losses": [], "uncached_compiles": [], "output_spec": []}
     for _ in range(steps):
@@ -112,7 +114,7 @@ def run(backend: "str | None", checkpoint: bool, steps: int) -> dict[str, Any]:
         e1 = counting.executions()
         loss.backward()
         e2 = counting.executions()
-        opt.step()
+        opt_step()
         opt.zero_grad()
         xm.mark_step()
         e3 = counting.executions()
@@ -268,6 +270,8 @@ def main(path: str, steps: int) -> None:
     for backend in BACKENDS:
         for checkpoint in (False, True):
             result[f"{backend}{'+ckpt' if checkpoint else ''}"] = run(backend, checkpoint, steps)
+    for backend in BACKENDS[:2]:
+        result[f"{backend}+compiled_opt"] = run(backend, False, steps, compiled_optimizer=True)
     for backend in BACKENDS:
         result[f"shared_input:{backend}"] = shared_input(backend)
     for backend in BACKENDS[:2]:

@@ -19,6 +19,8 @@ from xla_helpers import FUSED, FUSED_STEP, UPSTREAM
 
 ATOL = 1e-5
 RUNS = [FUSED_STEP, f"{FUSED_STEP}+ckpt", FUSED, f"{FUSED}+ckpt"]
+# opt.step compiled with the backend too.
+COMPILED_OPT = [f"{FUSED_STEP}+compiled_opt", f"{FUSED}+compiled_opt"]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,10 @@ def test_runs_on_four_devices_and_eager_mark_sharding_is_unchanged(fsdp):
     assert fsdp["eager_returns_wrapper"]
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", RUNS + COMPILED_OPT)
 def test_losses_match_lazy_spmd(fsdp, run):
-    """Compiled whole, with or without checkpointing: lazy SPMD's losses (4 AdamW steps, lr 1e-2)."""
+    """Compiled whole, with or without checkpointing or a compiled optimizer: lazy SPMD's losses
+    (4 AdamW steps, lr 1e-2)."""
     assert fsdp[run]["losses"] == pytest.approx(fsdp["lazy"]["losses"], abs=ATOL)
 
 
@@ -60,17 +63,26 @@ def test_upstream_openxla_runs_too(fsdp):
         assert fsdp[run]["losses"][:2] == pytest.approx(fsdp["lazy"]["losses"][:2], abs=ATOL)
 
 
-@pytest.mark.parametrize("run", RUNS)
+def test_compiled_optimizer_executions(fsdp):
+    """opt.step compiled too: openxla_fused_step one execution per step from the first (the optimizer's
+    fresh state joins it under SPMD); openxla_fused_grad forward, backward, the optimizer's graph and
+    the barrier ending its pending write-back."""
+    assert fsdp[f"{FUSED_STEP}+compiled_opt"]["phases"] == [[0, 0, 1]] * 4
+    assert fsdp[f"{FUSED}+compiled_opt"]["phases"] == [[1, 1, 2]] * 4
+
+
+@pytest.mark.parametrize("run", RUNS + COMPILED_OPT)
 def test_no_compile_after_warm_up(fsdp, run):
     compiles = fsdp[run]["uncached_compiles"]
     assert compiles[1:] == [compiles[1]] * 3
 
 
-@pytest.mark.parametrize("run", ["lazy", *RUNS])
+@pytest.mark.parametrize("run", ["lazy", *RUNS, *COMPILED_OPT])
 def test_optimizer_state_is_sharded_like_its_parameter(fsdp, run):
     """AdamW's moments per device are a shard, as the parameters are: openxla_fused_step executes fresh state
     on its own at the first step, which made it replicated (every device held all of it) until the state was
-    given its parameter's sharding first."""
+    given its parameter's sharding first (eager optimizer), or left to the step's execution, whose partitioner
+    lays it out as the parameters (compiled optimizer)."""
     params = fsdp[run]["param_specs"]
     assert all(s.startswith("{devices=") for s in params), params  # FSDPv2 splits each on its largest dim
     assert fsdp[run]["state_specs"] == [[s, s] for s in params]

@@ -259,6 +259,11 @@ def test_check_fails_where_a_file_ran_no_test():
     assert len(unexpected) == 2 and all("no test ran" in u and "xmlrunner" in u for u in unexpected), unexpected
     assert suite.unexpected_failures({"upstream": {"test_bridge.py": passing},
                                       "patched": {"test_bridge.py": passing}}) == ([], [])
+    # The same where pytest cannot collect the file (its run records the collection error).
+    key = "test_dynamo.py" + suite.PYTEST_SUFFIX
+    uncollected = suite.FileResult(outcomes={"test/dynamo/test_dynamo.py (collection)": "error"}, tail="test_utils")
+    unexpected, _ = suite.unexpected_failures({"upstream": {key: uncollected}, "patched": {key: uncollected}})
+    assert len(unexpected) == 2 and all("no test ran" in u for u in unexpected), unexpected
 
 
 # Upstream test files small enough for the suite (about 15 s each per mode on a 2-core

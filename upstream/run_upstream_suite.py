@@ -152,6 +152,11 @@ _PYTEST_PLUGIN = textwrap.dedent(
             import torch_xla_bridge
             _write(torch_xla_bridge=torch_xla_bridge.__file__)
 
+    def pytest_collectreport(report):
+        if report.failed:
+            _write(test=f"{report.nodeid} (collection)", outcome="error",
+                   detail=str(report.longrepr).strip().splitlines()[-1][:300])
+
     def pytest_runtest_logstart(nodeid, location):
         _write(test=nodeid, outcome="started")
 
@@ -346,8 +351,10 @@ def run_file(
     # xmlrunner (a pytorch CI dependency): without it every file fails at import, in every mode alike.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_DYNAMO_FUSED_GRAD", "CI")}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", **env_extra)
-    if runner == "pytest":  # the plugin, importable by name
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(tree)) if p)
+    if runner == "pytest":
+        # The plugin, importable by name, and test/'s helpers (test_utils), which `python FILE` finds
+        # through the file's own sys.path edit (relative to sys.argv[0], pytest's under pytest).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(tree), str(tree / "test")) if p)
     env.update({k: v.format(tree=tree) for k, v in FILE_ENV.get(test_file, {}).items()})
     start = time.monotonic()
     while result.attempts < max_attempts:
@@ -443,7 +450,7 @@ def unexpected_failures(results: dict[str, dict[str, "FileResult"]]) -> tuple[li
     for mode, per_file in results.items():
         for f, r in per_file.items():
             # A file that ran no test compares nothing: an import error fails every mode alike.
-            if f"{f} (import)" in r.outcomes:
+            if f"{f} (import)" in r.outcomes or any(t.endswith(" (collection)") for t in r.outcomes):
                 unexpected.append(f"{mode}: {f}: no test ran; the last run ended with:\n{r.tail[-1500:]}")
         if mode == "upstream":
             continue
