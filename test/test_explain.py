@@ -224,6 +224,43 @@ def test_cli_explains_the_original_report(tmp_path):
     assert (tmp_path / "graph.png").exists() == (shutil.which("dot") is not None)
 
 
+_SPMD_SCRIPT = """
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+xr.use_spmd()  # first, as SPMD scripts begin: nothing may have started the runtime before
+import torch_xla_bridge
+model = torch.nn.Linear(8, 8).to(torch_xla.device())
+mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4, 1), ("fsdp", "model"))
+xs.mark_sharding(model.weight, mesh, ("fsdp", None))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+fwd = torch.compile(model, backend="openxla_fused_step")
+for _ in range(3):
+    x = torch.randn(8, 8).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("fsdp", None))
+    opt.zero_grad()
+    fwd(x).sum().backward()
+    opt.step()
+"""
+
+
+def test_cli_explains_an_spmd_script(tmp_path):
+    """A script that switches SPMD on at its start: the explainer starts no runtime before it (waiting
+    for the device did, in single-device mode, and the script's first device then failed)."""
+    script, out_json = tmp_path / "train_spmd.py", tmp_path / "report.json"
+    script.write_text(_SPMD_SCRIPT)
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("PT_XLA_DEBUG_FILE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_xla_bridge.explain", str(script), "--json", str(out_json)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert [len(s["executions"]) for s in report["steps"]] == [1, 1, 1]
+    assert report["total_executions"] == 3
+    assert all(e["cause"] == "mark_step" for s in report["steps"] for e in s["executions"])
+
+
 def test_tied_weights_show_two_contributors():
     torch.manual_seed(0)
     model = TinyTransformer()

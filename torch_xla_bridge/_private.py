@@ -309,6 +309,9 @@ else:
                 root = line[len("IR: "):]
                 return None if root == "None" else root.split("] ", 1)[-1]  # after the scope, "[...] "
         return None
+    # Whether the PJRT runtime is up: before, nothing ran, and waiting for the device would start it
+    # (before a script's xr.use_spmd(), which must come first).
+    runtime_initialized: Callable[[], bool] = _xla("_xla_runtime_is_initialized", _XLAC)
     # False inside torch_xla.compile(full_graph=True): any execution there raises.
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)

@@ -31,8 +31,12 @@ def bump(name: str) -> None:
 
 
 def executions(wait: bool = True) -> int:
-    """XLA programs executed so far in this process; with ``wait``, after pending ones finish."""
-    if wait:
+    """XLA programs executed so far in this process; with ``wait``, after pending ones finish.
+
+    Starts nothing: before the runtime is up nothing has run, and waiting would
+    start it, in single-device mode, before a script's ``xr.use_spmd()``.
+    """
+    if wait and _private.runtime_initialized():
         xm.wait_device_ops()
     return sum((met.metric_data(m) or (0,))[0] for m in EXECUTE_METRICS)
 
