@@ -106,5 +106,6 @@ def test_trainer_fsdpv2_compiled_by_its_own_switch_trains_with_trainers_losses(p
     assert fused["layers_wrapped"] == lazy["layers_wrapped"] == 3  # 2 decoder layers + the model
     assert len(fused["losses"]) == 4 and fused["losses"] == lazy["losses"]
     assert fused["compiled"][1:] == [fused["compiled"][0]] * 3 and fused["compiled"][0][1] > 0
-    # Per loop iteration, Trainer's own reads (logged loss, gradient norm) included: lazy SPMD 6, the fused step 8.
+    # Per loop iteration, Trainer's own reads (logged loss, gradient norm) included: lazy SPMD 6; the fused step
+    # the same 6 and two no-backward graphs before the step opens (causal mask, rotary cos/sin: docs/spmd.md).
     assert lazy["executions"][1:] == [6] * 3 and fused["executions"][1:] == [8] * 3
