@@ -297,7 +297,7 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     Nothing with no step of this backend pending, once every parameter with
     a gradient has state, and for an optimizer without ``_init_group(group, *lists)``.
     """
-    if _open_step() is None or optimizer in _state_created:
+    if optimizer in _state_created or _open_step() is None:
         return
     _state_created.add(optimizer)
     fresh = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in optimizer.state]
@@ -486,7 +486,7 @@ def compilers() -> dict[str, deferred.Compiler]:
             fresh_state(args)
             written = _inputs_at(args, updated)  # before the call clears args
             outs = graph(args)
-            if pair.unfused_reason is None:
+            if written and pair.unfused_reason is None:
                 _current_step().join(written)  # state the forward writes (BatchNorm's statistics)
             return outs
 
