@@ -85,9 +85,12 @@ class _BackwardPass:
 def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False, fresh: bool = False) -> None:
     """Materializes ``tensors`` in one execution, donating none of their old buffers.
 
-    ``fresh=True``: the tensors are a graph's new outputs, which have no old
-    buffers; the sync then donates like an execution of upstream's bridge
-    (only the buffers a user marked with ``dynamo_set_buffer_donor_``).
+    ``fresh=True``: the tensors are a graph's new outputs, and the inputs it
+    wrote into (BatchNorm's statistics); the sync then donates like an
+    execution of upstream's bridge: the written inputs' old buffers, and those
+    a user marked with ``dynamo_set_buffer_donor_``. So no other pending IR may
+    still read those buffers (a step left pending, whose gradients read the
+    statistics: such a caller syncs the whole step instead).
 
     The one place the package syncs a set of tensors. With
     ``sync_xla_data=True`` torch_xla would donate each synced tensor's current
