@@ -216,6 +216,41 @@ def layout_changes(backend: str) -> dict[str, Any]:
     return {"warnings": messages, "grad_err": errs}
 
 
+class WithGradients(nn.Module):
+    """Linear, ReLU, ``xs.mark_sharding_with_gradients`` of the activation, Linear."""
+
+    def __init__(self, mesh: xs.Mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.a, self.b = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = xs.mark_sharding_with_gradients(torch.relu(self.a(x)), self.mesh, ("fsdp", None))
+        return self.b(h)
+
+
+def with_gradients(backend: "str | None", steps: int = 3) -> dict[str, Any]:
+    """FSDPv2(WithGradients) compiled whole with ``backend`` (None: lazy SPMD), SGD: losses per step."""
+    torch._dynamo.reset()
+    m = mesh()
+    torch.manual_seed(0)
+    wrapped = SpmdFullyShardedDataParallel(WithGradients(m).to(torch_xla.device()), mesh=m)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    model = wrapped if backend is None else torch.compile(wrapped, backend=backend)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(BATCH, WIDTH, generator=g).to(torch_xla.device())
+        xs.mark_sharding(x, m, ("fsdp", None))
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
 def shared_input(backend: str, steps: int = 4) -> dict[str, Any]:
     """A batch read by two compiled graphs (a graph break between them; as labels are read by a loss
     after a break in an HF model): losses and the largest parameter difference to the same model
@@ -274,6 +309,8 @@ def main(path: str, steps: int) -> None:
         result[f"{backend}+compiled_opt"] = run(backend, False, steps, compiled_optimizer=True)
     for backend in BACKENDS:
         result[f"shared_input:{backend}"] = shared_input(backend)
+    for backend in (None, *BACKENDS[:2]):
+        result[f"with_gradients:{backend or 'lazy'}"] = with_gradients(backend)
     for backend in BACKENDS[:2]:
         for how in ("activation", "custom", "parameter"):
             result[f"bad_input:{backend}:{how}"] = bad_input(backend, how)

@@ -71,6 +71,15 @@ def test_compiled_optimizer_executions(fsdp):
     assert fsdp[f"{FUSED}+compiled_opt"]["phases"] == [[1, 1, 2]] * 4
 
 
+@pytest.mark.parametrize("backend", [FUSED_STEP, FUSED])
+def test_mark_sharding_with_gradients_inside_the_compiled_forward(fsdp, backend):
+    """xs.mark_sharding_with_gradients of an activation under FSDPv2 compiled whole: lazy SPMD's losses.
+    Dynamo runs its op eagerly after a graph break; after openxla_fused_grad's forward executed, the
+    op's copy of the activation was sharded data and torch_xla raised 'Existing annotation must be
+    cleared first' (upstream openxla too)."""
+    assert fsdp[f"with_gradients:{backend}"]["losses"] == pytest.approx(fsdp["with_gradients:lazy"]["losses"], abs=ATOL)
+
+
 @pytest.mark.parametrize("run", RUNS + COMPILED_OPT)
 def test_no_compile_after_warm_up(fsdp, run):
     compiles = fsdp[run]["uncached_compiles"]

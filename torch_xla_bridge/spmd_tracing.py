@@ -28,7 +28,13 @@ which torch_xla refuses to re-annotate):
   pending IR;
 - a parameter or input that is already sharded otherwise raises torch_xla's
   error (lazy SPMD raises it too), reworded to name the call site, the
-  tensor and what to change; nothing has been updated at that point.
+  tensor and what to change; nothing has been updated at that point;
+- ``xs.mark_sharding_with_gradients``, whose op dynamo runs eagerly after a
+  graph break, annotates a fresh copy of its activation (and, in the
+  backward, of its gradient): after an executed graph that copy reads
+  sharded data and has its sharding, so the op's annotation, outside any
+  trace, becomes a custom sharding on it too (that op only: a user's own
+  re-annotation outside a trace raises, as in lazy SPMD).
 
 The cost is that graph break: an annotation in the middle of a forward
 splits it in two graphs (with ``openxla_fused_step`` still one execution per
@@ -129,10 +135,26 @@ def _compile_safe(original: Callable[..., Any], annotate_custom: Callable[..., A
             # The annotated tensor itself: what a traced frame can hold (the wrapper only forwards
             # ops to it).
             return t
-        return original(t, mesh, partition_spec)
+        try:
+            return original(t, mesh, partition_spec)
+        except RuntimeError as e:
+            if _ALREADY_SHARDED not in str(e) or not _called_by_mark_sharding_with_gradients():
+                raise
+            # xs.mark_sharding_with_gradients' op annotates a copy of its activation, run eagerly
+            # where dynamo breaks the graph at it. After a graph that executed (openxla_fused_grad,
+            # openxla) the copy reads sharded device data and has its sharding, where in lazy SPMD
+            # it is pending IR: the annotation becomes the constraint it would have been there.
+            return annotate_custom(t, mesh, partition_spec)
 
     annotate.__torch_xla_bridge_original__ = original  # type: ignore[attr-defined]
     return annotate
+
+
+def _called_by_mark_sharding_with_gradients() -> bool:
+    """Whether the annotation's caller is torch_xla's op behind ``xs.mark_sharding_with_gradients``
+    (``_aot_mark_sharding``, which annotates a fresh copy of its input)."""
+    caller = sys._getframe(2).f_code
+    return caller.co_name == "_aot_mark_sharding" and f"{os.sep}torch_xla{os.sep}" in caller.co_filename
 
 
 def _already_sharded_error(function: str, t: torch.Tensor, partition_spec: Any) -> RuntimeError:
