@@ -242,9 +242,13 @@ def _open_step() -> Optional[_Step]:
 
 
 def _current_step() -> _Step:
-    """The pending step, opened (its step closure queued) if there is none."""
-    step = _open_step()
-    if step is not None:
+    """The pending step, opened (its step closure queued) if there is none.
+
+    For a graph that joins it: a step abandoned with no work left is as good
+    as a new one (its closure runs at the same barrier), so no liveness is
+    checked on this hot path (once per forward and per backward).
+    """
+    for step in _open:
         return step
     step = _Step()
     _open.add(step)
