@@ -192,7 +192,7 @@ class _Step:
     :data:`_open` holds it while the step is pending, and nothing of it
     outlives the cut. A step that an exception abandoned before any backward
     joined it (forwards whose outputs all died or were read) holds no work:
-    :func:`_open_step` closes it, so that it does not draw later graphs in.
+    :func:`_open_step` closes it, so that it draws no later no-backward graph in.
     """
 
     __slots__ = ("pairs", "forwards", "joined", "__weakref__")
