@@ -22,7 +22,7 @@ import copy
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
@@ -93,13 +93,17 @@ def mesh() -> xs.Mesh:
     return xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
 
 
-def run(backend: "str | None", checkpoint: bool, steps: int, compiled_optimizer: bool = False) -> dict[str, Any]:
+def run(
+    backend: "str | None", checkpoint: bool, steps: int, compiled_optimizer: bool = False,
+    module: Optional[Callable[[], nn.Module]] = None,
+) -> dict[str, Any]:
     """``steps`` training steps of FSDPv2(Model), compiled whole with ``backend`` (None: lazy SPMD);
-    ``compiled_optimizer``: ``opt.step`` compiled with it too."""
+    ``compiled_optimizer``: ``opt.step`` compiled with it too; ``module``: makes the wrapped module instead."""
     torch._dynamo.reset()
     m = mesh()
     torch.manual_seed(0)
-    wrapped = SpmdFullyShardedDataParallel(Model(checkpoint).to(torch_xla.device()), mesh=m)
+    inner = module() if module is not None else Model(checkpoint)
+    wrapped = SpmdFullyShardedDataParallel(inner.to(torch_xla.device()), mesh=m)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     model = wrapped if backend is None else torch.compile(wrapped, backend=backend)
     opt_step = torch.compile(opt.step, backend=backend) if compiled_optimizer else opt.step
@@ -219,36 +223,14 @@ def layout_changes(backend: str) -> dict[str, Any]:
 class WithGradients(nn.Module):
     """Linear, ReLU, ``xs.mark_sharding_with_gradients`` of the activation, Linear."""
 
-    def __init__(self, mesh: xs.Mesh) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh = mesh()
         self.a, self.b = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = xs.mark_sharding_with_gradients(torch.relu(self.a(x)), self.mesh, ("fsdp", None))
         return self.b(h)
-
-
-def with_gradients(backend: "str | None", steps: int = 3) -> dict[str, Any]:
-    """FSDPv2(WithGradients) compiled whole with ``backend`` (None: lazy SPMD), SGD: losses per step."""
-    torch._dynamo.reset()
-    m = mesh()
-    torch.manual_seed(0)
-    wrapped = SpmdFullyShardedDataParallel(WithGradients(m).to(torch_xla.device()), mesh=m)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    model = wrapped if backend is None else torch.compile(wrapped, backend=backend)
-    g = torch.Generator().manual_seed(2)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(BATCH, WIDTH, generator=g).to(torch_xla.device())
-        xs.mark_sharding(x, m, ("fsdp", None))
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        xm.mark_step()
-        losses.append(loss.item())
-    return {"losses": losses}
 
 
 def shared_input(backend: str, steps: int = 4) -> dict[str, Any]:
@@ -310,7 +292,7 @@ def main(path: str, steps: int) -> None:
     for backend in BACKENDS:
         result[f"shared_input:{backend}"] = shared_input(backend)
     for backend in (None, *BACKENDS[:2]):
-        result[f"with_gradients:{backend or 'lazy'}"] = with_gradients(backend)
+        result[f"with_gradients:{backend or 'lazy'}"] = run(backend, False, 3, module=WithGradients)
     for backend in BACKENDS[:2]:
         for how in ("activation", "custom", "parameter"):
             result[f"bad_input:{backend}:{how}"] = bad_input(backend, how)
