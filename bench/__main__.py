@@ -3,9 +3,12 @@
 Every configuration (workload x loop x mode) runs in its own process (see
 `bench/worker.py`); the figures land in `--out` as results.json, results.md,
 steps.png and scaling.png, with ratios to upstream `openxla` for the same
-workload and loop. Then `bench.host_time` (host and device time of a step,
-each mode in a process of its own, turns alternated) runs with the same `--quick` and `--out`;
-`--no-host-time` leaves it out.
+workload and loop. Then `bench.phases --check` (with and without SPMD: the fused steps run
+while Python goes on) and `bench.host_time` (host and device time of a step,
+each mode in a process of its own, turns alternated) run, the latter with the
+same `--quick` and `--out`; `--no-host-time` leaves it out. The run fails on
+a configuration that failed, on a fused backend's executions per step other
+than it guarantees (:func:`execution_regressions`), and on a failed check.
 
     python -m bench            # the full run (about 34 minutes on 2 CPU cores, plus 9 for bench.host_time)
     python -m bench --quick    # about 3.5 minutes, plus 2 for bench.host_time --quick
@@ -27,7 +30,7 @@ from tqdm import tqdm
 from bench import ROOT
 from bench.loops import LOOPS, traced_equivalent
 from bench.worker import DYNAMO_MODES, MODES
-from torch_xla_bridge.names import BACKEND_NAME, UPSTREAM_BACKEND_NAME
+from torch_xla_bridge.names import BACKEND_NAME, STEP_BACKEND_NAME, UPSTREAM_BACKEND_NAME
 
 
 def plan(quick: bool) -> list[dict]:
@@ -256,6 +259,43 @@ def run_host_time(quick: bool, out: Path) -> str | None:
     return None
 
 
+# Dynamo graphs per forward where the model has a graph break (HF GPT-2: one per step in each direction).
+FORWARD_GRAPHS = {"gpt2": 2}
+
+
+def execution_regressions(results: list[dict]) -> list[str]:
+    """The fused backends' executions per step that differ from what they guarantee: one for
+    ``openxla_fused_step``; for ``openxla_fused_grad`` a forward and a backward per graph and
+    micro-batch, then the optimizer's."""
+    wrong = []
+    for r in results:
+        if "error" in r or r["mode"] not in (STEP_BACKEND_NAME, BACKEND_NAME):
+            continue
+        micro = r.get("micro", LOOPS[r["loop"]].micro)
+        graphs = FORWARD_GRAPHS.get(r["workload"].split("-")[0], 1)
+        want = 1 if r["mode"] == STEP_BACKEND_NAME else 2 * graphs * micro + 1
+        if r["executions_per_step"] != want:
+            wrong.append(f"{r['workload']} {r['loop']} x{micro} {r['mode']}: {r['executions_per_step']} "
+                         f"executions per step, expected {want}")
+    return wrong
+
+
+def run_phase_checks() -> list[str]:
+    """`bench.phases --check`, then with `--spmd`, each in its own process: the steps that must run
+    while Python goes on; why each failed (empty: none did)."""
+    failed = []
+    for extra in ([], ["--spmd"]):
+        env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+        proc = subprocess.run([sys.executable, "-m", "bench.phases", "--check", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=1200)
+        print(proc.stdout.strip())
+        if proc.returncode != 0:
+            failed += [line for line in proc.stderr.splitlines() if line.startswith("FAILED")] or \
+                [f"bench.phases --check {' '.join(extra)}: exit {proc.returncode}: "
+                 + (proc.stderr.strip().splitlines() or ["no output"])[-1]]
+    return failed
+
+
 def main(argv: Iterable[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small workloads, fewer loops (under 5 minutes)")
@@ -273,10 +313,13 @@ def main(argv: Iterable[str] | None = None) -> None:
     errors = [r for r in results if "error" in r]
     print(f"wrote {out}/results.json, results.md, steps.png, scaling.png; {len(results)} configurations, "
           f"{len(errors)} failed")
+    regressions = execution_regressions(results) + run_phase_checks()
     host_time_error = None if args.no_host_time else run_host_time(args.quick, out)
-    if errors or host_time_error:
+    if errors or host_time_error or regressions:
         for r in errors:
             print("FAILED", r["workload"], r["loop"], r["mode"], r["error"], file=sys.stderr)
+        for why in regressions:
+            print("FAILED", why, file=sys.stderr)
         if host_time_error:
             print("FAILED bench.host_time:", host_time_error, file=sys.stderr)
         sys.exit(1)

@@ -86,9 +86,14 @@ def parameter_bank(n: int, batch: int = 8) -> Workload:
 
 
 def by_name(name: str) -> Workload:
-    """Parses names such as ``mlp32x256``, ``resnet18``, ``gpt2-2L``, ``bank1000``."""
+    """Parses names such as ``mlp32x256`` (``mlp2x1024b4096``: batch 4096), ``resnet18``, ``gpt2-2L``, ``bank1000``."""
     if name.startswith("mlp"):
-        depth, width = name[3:].split("x")
+        shape, _, batch = name[3:].partition("b")
+        depth, width = shape.split("x")
+        if batch:
+            w = mlp(int(depth), int(width), int(batch))
+            w.name = name
+            return w
         return mlp(int(depth), int(width))
     if name == "resnet18":
         return resnet18()

@@ -75,6 +75,12 @@ _functionalize_commit_update: Callable[[torch.Tensor], None] = _torch("_function
 _propagate_xla_data: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_propagate_xla_data")
 
 
+def inner_value(t: torch.Tensor) -> torch.Tensor:
+    """The lazy tensor behind ``t`` now (its functional wrapper's current value); ``t`` itself where
+    functionalization is off. Kept alive, it keeps that value's device buffer alive after ``t`` moves on."""
+    return _from_functional(t) if _is_functional(t) else t
+
+
 def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` takes ``src``'s value as its own: the same device tensor behind both, no op in the graph.
 

@@ -15,6 +15,8 @@ modules listed after it):
 - :mod:`.dynamo_fallback`: when dynamo gives up on a function (its
   ``recompile_limit``): the optimizer's step counts, and the one warning;
 - :mod:`.grad_sync`: the one sync, and the end-of-backward engine callback;
+- :mod:`.in_flight`: the buffers a step's execution donates, held until the
+  barrier after next, so no call of the loop waits for that execution;
 - :mod:`.counting`, :mod:`._private`, :mod:`.names`: counting executions,
   private torch/torch_xla APIs, names and pins.
 

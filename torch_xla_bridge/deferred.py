@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting, grad_sync, host_scalars
+from . import _private, counting, grad_sync, host_scalars, in_flight
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -388,6 +388,8 @@ def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any], in_place
     """Writes each new value into its target. ``in_place``: an XLA target takes its pending value as
     an in-place update would (no op), so the step's execution donates the target's buffer to it;
     otherwise, and for a host scalar (a CPU step count), the value is copied."""
+    if in_place:
+        in_flight.keep(targets)  # their current buffers, which the step's execution donates
     for target, value in zip(targets, values):
         if in_place and target.device.type == "xla":
             _private.update_in_place(target, value)

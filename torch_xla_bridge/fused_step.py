@@ -57,7 +57,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, optimizer_sync
+from . import _private, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, in_flight, optimizer_sync
 from .deferred import DeferredGraph
 from .dynamo_bridge import boxed
 from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
@@ -293,6 +293,8 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
         _private.at_trace_time(_create_momentum_buffers_at_trace_time)
         return
     _create_state(optimizer)
+    if _open_step() is not None or dynamo_fallback.trained_with(optimizer) == STEP_BACKEND_NAME:
+        in_flight.keep_optimizer_update(optimizer)
 
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:

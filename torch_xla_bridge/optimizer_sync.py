@@ -52,9 +52,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, counting, dynamo_fallback, grad_sync
+from . import _private, counting, dynamo_fallback, grad_sync, in_flight
 from .names import BACKEND_NAME, OPTIMIZER_SYNC_COUNTER
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,23 @@ def _barrier_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, k
     torch_xla.sync(reset_scope=False)
 
 
+def _keep_before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: an eager step after a backward of this backend updates parameters
+    and state in place, donating their buffers at the barrier: :func:`in_flight.keep` them. Nothing while
+    dynamo traces the step (a compiled step's graph is upstream's, which executes at its call)."""
+    if torch.compiler.is_compiling():
+        return
+    if _since_barrier or dynamo_fallback.trained_with(optimizer) == BACKEND_NAME:
+        in_flight.keep_optimizer_update(optimizer)
+
+
 _hook: Optional[torch.utils.hooks.RemovableHandle] = None
+_pre_hook: Optional[torch.utils.hooks.RemovableHandle] = None
 
 
 def register_hook() -> None:
-    """Registers :func:`_barrier_after_optimizer_step` once per process."""
-    global _hook
+    """Registers :func:`_keep_before_optimizer_step` and :func:`_barrier_after_optimizer_step` once per process."""
+    global _hook, _pre_hook
     if _hook is None:
+        _pre_hook = register_optimizer_step_pre_hook(_keep_before_optimizer_step)
         _hook = register_optimizer_step_post_hook(_barrier_after_optimizer_step)
