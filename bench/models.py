@@ -86,7 +86,8 @@ def parameter_bank(n: int, batch: int = 8) -> Workload:
 
 
 def by_name(name: str) -> Workload:
-    """Parses names such as ``mlp32x256`` (``mlp2x1024b4096``: batch 4096), ``resnet18``, ``gpt2-2L``, ``bank1000``."""
+    """Parses names such as ``mlp32x256`` (``mlp2x1024b4096``: batch 4096), ``resnet18``, ``gpt2-2L``
+    (``gpt2-4L-d256-s128-b4``: width, sequence length, batch), ``bank1000``."""
     if name.startswith("mlp"):
         shape, _, batch = name[3:].partition("b")
         depth, width = shape.split("x")
@@ -98,7 +99,12 @@ def by_name(name: str) -> Workload:
     if name == "resnet18":
         return resnet18()
     if name.startswith("gpt2-"):
-        return gpt2(layers=int(name[5:-1]))
+        # gpt2-2L, or with its shape: gpt2-4L-d256-s128-b4 (width, sequence length, batch).
+        layers, *shape = name[5:].split("-")
+        sizes = {part[0]: int(part[1:]) for part in shape}
+        w = gpt2(layers=int(layers[:-1]), dim=sizes.get("d", 64), seq=sizes.get("s", 32), batch=sizes.get("b", 2))
+        w.name = name
+        return w
     if name.startswith("bank"):
         return parameter_bank(int(name[4:]))
     raise ValueError(f"unknown workload {name!r}")

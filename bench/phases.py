@@ -160,13 +160,18 @@ def header() -> str:
     return "| mode | loop | " + " | ".join(PHASES) + " |\n|---|---|" + "---|" * len(PHASES)
 
 
+def _use_spmd() -> None:
+    """SPMD on a virtual mesh of 4 CPU devices (unless CPU_NUM_DEVICES says otherwise), before any device is used."""
+    os.environ.setdefault("CPU_NUM_DEVICES", "4")
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+
+
 def check(spmd: bool, warmup: int = 2, steps: int = 3) -> int:
     """Runs :data:`CHECKS` (:data:`SPMD_CHECKS`) in this process; prints a table and each failure; 1 if any."""
     if spmd:
-        os.environ.setdefault("CPU_NUM_DEVICES", "4")
-        import torch_xla.runtime as xr
-
-        xr.use_spmd()  # before anything touches a device
+        _use_spmd()
     import torch._dynamo
 
     failures = 0
@@ -190,12 +195,14 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--table", action="store_true", help=f"{TABLE_MODES} x {TABLE_LOOPS}, a process each")
     ap.add_argument("--check", action="store_true", help="fail unless the checked steps overlap host and device")
-    ap.add_argument("--spmd", action="store_true", help="with --check: on a virtual mesh of 4 devices")
+    ap.add_argument("--spmd", action="store_true", help="on a virtual mesh of 4 devices, FSDP-style (not --table)")
     args = ap.parse_args(argv)
     if args.check:
         sys.exit(check(args.spmd))
     if not args.table:
-        print(json.dumps(measure(args.mode, args.loop, args.workload, args.warmup, args.steps)))
+        if args.spmd:
+            _use_spmd()
+        print(json.dumps(measure(args.mode, args.loop, args.workload, args.warmup, args.steps, spmd=args.spmd)))
         return
     print(header())
     for loop in TABLE_LOOPS:

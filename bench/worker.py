@@ -29,6 +29,7 @@ ANALYSIS_FILE = memory.enable() if __name__ == "__main__" else None
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
 
 from bench.loops import LOOPS  # noqa: E402
 from bench.models import by_name  # noqa: E402
@@ -36,6 +37,8 @@ from torch_xla_bridge.counting import executions  # noqa: E402
 from torch_xla_bridge.names import BACKEND_NAME, BACKEND_NAMES, UPSTREAM_BACKEND_NAME  # noqa: E402
 
 MODES = (UPSTREAM_BACKEND_NAME, *BACKEND_NAMES, "lazy", "torch_xla.compile")
+# torch_xla's own While-loop accumulation (torch_xla.experimental.gradient_accumulation): bench.accumulation only.
+GRADIENT_ACCUMULATION = "gradient_accumulation"
 DYNAMO_MODES = MODES[:3]
 
 
@@ -56,6 +59,12 @@ def _time_callbacks() -> list[float]:
 
 
 def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
+    step, model, _ = build_trainer(cfg)
+    return step, model
+
+
+def build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
+    """One configuration's training step, its model and its optimizer (SGD with momentum)."""
     mode, loop = cfg["mode"], LOOPS[cfg["loop"]]
     set_to_none, compiled_opt = loop.set_to_none, loop.compiled_optimizer
     micro = cfg.get("micro", loop.micro)
@@ -85,7 +94,7 @@ def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
                 torch_xla.sync()
             return loss
 
-        return step, model
+        return step, model, opt
 
     def whole_step() -> torch.Tensor:
         opt.zero_grad(set_to_none=set_to_none)
@@ -102,15 +111,38 @@ def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
             torch_xla.sync()
             return loss
 
-        return step, model
+        return step, model, opt
     if mode == "torch_xla.compile":
-        return torch_xla.compile(whole_step), model
+        return torch_xla.compile(whole_step), model, opt
+    if mode == GRADIENT_ACCUMULATION:
+        from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+        # Its loop runs over the leading dimension of stacked micro-batches, materialized first.
+        stacked = [torch.stack([b[k] for b in batches]) for k in range(len(batches[0]))]
+        torch_xla.sync()
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = gradient_accumulation(loss_of, stacked, model)  # the micro-batches' summed losses
+            opt.step()
+            torch_xla.sync()
+            return loss
+
+        return step, model, opt
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def resident_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """MB of the state that stays on the device between steps: parameters, gradients, optimizer state."""
+    tensors = {id(t): t for p in model.parameters() for t in (p, p.grad) if t is not None}
+    tensors.update({id(t): t for s in opt.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor) and t.device.type == "xla"})
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
 
 def run(cfg: dict) -> dict:
     callbacks = _time_callbacks() if cfg["mode"] == BACKEND_NAME else []
-    step, _ = build_step(cfg)
+    step, model, opt = build_trainer(cfg)
     steps, warmup = cfg.get("steps", 20), cfg.get("warmup", 3)
     host, total, execs, losses, callback_s = [], [], [], [], []
     for i in range(warmup + steps):
@@ -143,6 +175,8 @@ def run(cfg: dict) -> dict:
         first_two_s=first_two_s,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         final_loss=losses[-1],
+        xla_compile_s=(met.metric_data("CompileTime") or (0, 0.0))[1] / 1e9,
+        resident_mb=resident_mb(model, opt),
     )
     if ANALYSIS_FILE is not None:
         out.update(memory.summary(memory.parse(ANALYSIS_FILE.read_text())))

@@ -11,17 +11,19 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge"
 ALLOWED = {
     "backend": {
         "fused_step", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "spmd_tracing", "grad_sync",
-        "host_scalars", "decompositions", "counting", "_private", "names",
+        "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
     },
     "fused_step": {
-        "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "counting", "_private", "names",
+        "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "in_flight", "counting",
+        "_private", "names",
     },
     "deferred": {"grad_sync", "host_scalars", "counting", "_private", "names"},
     "dynamo_bridge": {"grad_sync", "_private", "names"},
-    "optimizer_sync": {"dynamo_fallback", "grad_sync", "counting", "_private", "names"},
+    "optimizer_sync": {"dynamo_fallback", "grad_sync", "in_flight", "counting", "_private", "names"},
     "dynamo_fallback": {"grad_sync", "counting", "_private", "names"},
     "spmd_tracing": {"_private", "names"},
     "grad_sync": {"_private", "names"},
+    "in_flight": {"_private", "names"},
     "host_scalars": set(),
     "decompositions": set(),
     "counting": {"_private", "names"},

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting, grad_sync, host_scalars, in_flight
+from . import _private, counting, grad_sync, host_scalars
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ UNFUSED_BACKWARD = "gradients correct, but accumulated into .grad outside its ex
 
 def keep_pending(pending: list[torch.Tensor]) -> None:
     """``on_pending`` that leaves a call's outputs pending (something later syncs them)."""
+
+
+def write_over(targets: Sequence[torch.Tensor]) -> None:
+    """``before_update`` that lets a call write its inputs' new values over their old ones, as they are."""
 
 
 def eager_mode_reason() -> Optional[str]:
@@ -110,6 +114,10 @@ class DeferredGraph:
     gives a reason for this call) runs it through ``upstream_compiler``'s
     function, after one warning per graph saying why.
 
+    ``before_update``: called with the inputs a deferred call updates in
+    place, before their new values are written (the caller may keep their
+    old buffers, which the step's execution donates).
+
     ``validate``: compile a new lowering whose inputs mix floating-point
     dtypes on its own at its first call (see :meth:`_validate`), for deferred
     work that runs inside a larger execution.
@@ -124,6 +132,7 @@ class DeferredGraph:
         upstream_compiler: Compiler,
         kind: str = "forward",
         on_pending: Callable[[list[torch.Tensor]], None] = keep_pending,
+        before_update: Callable[[Sequence[torch.Tensor]], None] = write_over,
         upstream_reason: Callable[[], Optional[str]] = eager_mode_reason,
         unfused_effect: str = UNFUSED_FORWARD,
         validate: bool = False,
@@ -135,6 +144,7 @@ class DeferredGraph:
         self.backend = backend
         self.kind = kind
         self.on_pending = on_pending
+        self.before_update = before_update
         self.upstream_reason = upstream_reason
         self.upstream_compiler = upstream_compiler
         self.unfused_effect = unfused_effect
@@ -192,6 +202,7 @@ class DeferredGraph:
                     grad_sync.store_like_a_first_gradient(outs)
                 if self._split:
                     outs = self._split.merge(outs, host)
+                self.before_update(targets)
                 _write_back(targets, outs[len(outs) - len(targets):], in_place=True)
                 self.on_pending(pending)
                 return outs
@@ -388,8 +399,6 @@ def _write_back(targets: Sequence[torch.Tensor], values: Sequence[Any], in_place
     """Writes each new value into its target. ``in_place``: an XLA target takes its pending value as
     an in-place update would (no op), so the step's execution donates the target's buffer to it;
     otherwise, and for a host scalar (a CPU step count), the value is copied."""
-    if in_place:
-        in_flight.keep(targets)  # their current buffers, which the step's execution donates
     for target, value in zip(targets, values):
         if in_place and target.device.type == "xla":
             _private.update_in_place(target, value)

@@ -483,7 +483,7 @@ def compilers() -> dict[str, deferred.Compiler]:
         fresh_state = _FreshState(updated)
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
-            on_pending=pair.forward_pending, validate=True,
+            on_pending=pair.forward_pending, before_update=in_flight.keep, validate=True,
             unfused_effect="it executes on its own; backward, accumulation and optimizer stay fused",
         )
 
@@ -519,7 +519,8 @@ def compilers() -> dict[str, deferred.Compiler]:
                       unfused_effect="the step is synced before it, and it executes on its own")
         updated = deferred.updated_inputs()
         if deferred.updates_inputs(updated):
-            update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, **common)
+            update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, before_update=in_flight.keep,
+                                   **common)
             fresh_state = _FreshState(updated, optimizer_step=True)
 
             def update_state(args: list) -> Any:
