@@ -50,7 +50,8 @@ def keep(tensors: Iterable[torch.Tensor]) -> None:
     written) until the step barrier after the next one. Tensors with pending IR or off XLA are skipped."""
     if not _donating():
         return
-    inner = [_private.inner_value(t) for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    # ``is_xla``, not ``device.type``: this runs per step over every parameter and state tensor.
+    inner = [_private.inner_value(t) for t in tensors if isinstance(t, torch.Tensor) and t.is_xla]
     if not inner:
         return
     with_data = [t for t, pending in zip(inner, _private.need_materialization(inner)) if not pending]
