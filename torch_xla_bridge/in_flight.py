@@ -1,4 +1,4 @@
-"""Keeps the buffers a step's execution donates alive until the next step barrier, so no thread waits for it.
+"""Keeps the buffers a step's execution donates alive past its launch, so no thread waits for the execution.
 
 A step's execution donates the old buffers of what it updates in place
 (parameters, optimizer state, BatchNorm statistics) to their new values.
@@ -12,8 +12,8 @@ the whole execution. Without this module that is either
   ``xm.mark_step()`` after the fused step's cut), then waits at torch_xla's
   device barrier for the whole execution; or
 - the Python thread itself, when the last reference dies there (a
-  parameter's functional wrapper applying its pending update, an old
-  ``.grad`` replaced), in the middle of the user's loop.
+  parameter's functional wrapper applying its pending update drops its old
+  value), in the middle of the user's loop.
 
 So the package keeps a reference of its own to each buffer a step will donate,
 taken where the step writes the value in place (:func:`keep`), and drops it

@@ -41,6 +41,10 @@ so no step grows into the next. The hook is
 disabled for dynamo (``torch._dynamo.disable``), so it runs when the step ends
 even where dynamo compiled the optimizer's wrapper and runs the step itself
 eagerly.
+
+The barrier launches the update's execution and returns: a pre-hook keeps the
+parameters' and state's old buffers, which it donates (:mod:`.in_flight`), so
+neither it nor the user's ``torch_xla.sync()`` after it waits for the execution.
 """
 
 from __future__ import annotations
