@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
-from bench import ROOT
+from bench import ROOT, run_config
 from bench.loops import LOOPS, traced_equivalent
 from bench.worker import DYNAMO_MODES, MODES
 from torch_xla_bridge.names import BACKEND_NAME, STEP_BACKEND_NAME, UPSTREAM_BACKEND_NAME
@@ -85,19 +85,7 @@ def merge_timings(results: list[dict]) -> list[dict]:
 
 
 def run_all(configs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-    results = []
-    for cfg in tqdm(configs, desc="bench", unit="config"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "bench.worker", json.dumps(cfg)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
-        )
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            results.append(dict(cfg, error=(proc.stderr.strip().splitlines() or ["no output"])[-1]))
-        else:
-            results.append(json.loads(lines[-1]))
-    return results
+    return [run_config(cfg, timeout=1800) for cfg in tqdm(configs, desc="bench", unit="config")]
 
 
 def _key(r: dict) -> tuple:

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from bench import ROOT
+from bench import ROOT, run_config
 
 WORKLOAD = "gpt2-4L-d256-s128-b4"
 QUICK_WORKLOAD = "mlp8x128"
@@ -54,13 +52,7 @@ COLUMNS = (
 def run_one(workload: str, mode: str, k: int, steps: int, warmup: int) -> dict[str, Any]:
     """One (K, mode) in its own process; its row, or the error it stopped with."""
     cfg = dict(workload=workload, loop="accumulate4", micro=k, mode=mode, steps=steps, warmup=warmup)
-    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
-    proc = subprocess.run([sys.executable, "-m", "bench.worker", json.dumps(cfg)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=7200)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return dict(cfg, error=(proc.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1])
+    return run_config(cfg, timeout=7200)
 
 
 def markdown(rows: list[dict[str, Any]], workload: str) -> str:

@@ -32,7 +32,7 @@ def test_step_runs_while_python_goes_on(mode: str, loop: str, micro: int) -> Non
     assert overlap_failures(r) == [], {p: r["per_step"][p] for p in PHASES}
 
 
-def test_spmd_step_runs_while_python_goes_on(tmp_path) -> None:
+def test_spmd_step_runs_while_python_goes_on() -> None:
     """The same on a virtual mesh of 4 devices, parameters and batch sharded (its own process)."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     proc = subprocess.run([sys.executable, "-m", "bench.phases", "--check", "--spmd"], cwd=ROOT, env=env,
