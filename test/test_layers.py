@@ -10,13 +10,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge"
 # Each module, and the package modules it may import (at module level or inside a function).
 ALLOWED = {
     "backend": {
-        "fused_step", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "spmd_tracing", "grad_sync",
-        "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
+        "fused_step", "accumulation", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "spmd_tracing",
+        "grad_sync", "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
     },
     "fused_step": {
-        "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "in_flight", "counting",
-        "_private", "names",
+        "accumulation", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "in_flight",
+        "counting", "_private", "names",
     },
+    "accumulation": {"grad_sync", "counting", "_private", "names"},
     "deferred": {"grad_sync", "host_scalars", "counting", "_private", "names"},
     "dynamo_bridge": {"grad_sync", "_private", "names"},
     "optimizer_sync": {"dynamo_fallback", "grad_sync", "in_flight", "counting", "_private", "names"},

@@ -26,7 +26,7 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch._functorch._aot_autograd.runtime_wrappers as _aot_runtime
@@ -73,6 +73,7 @@ _from_functional: Callable[[torch.Tensor], torch.Tensor] = _torch("_from_functio
 _functionalize_replace: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_functionalize_replace")
 _functionalize_commit_update: Callable[[torch.Tensor], None] = _torch("_functionalize_commit_update")
 _propagate_xla_data: Callable[[torch.Tensor, torch.Tensor], None] = _torch("_propagate_xla_data")
+_functionalize_sync: Callable[[torch.Tensor], None] = _torch("_functionalize_sync")
 
 
 def inner_value(t: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,15 @@ def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
         _functionalize_commit_update(dst)
     else:
         dst.copy_(src)
+
+
+def settle(tensors: Sequence[torch.Tensor]) -> None:
+    """Applies the value each of ``tensors`` took (:func:`take_value`) to its functional storage now, so
+    the lazy tensor it held before is released (until then the storage keeps it as its base, and a step
+    barrier syncs it: the IR that computed the old value would run in the step)."""
+    for t in tensors:
+        if _is_functional(t):
+            _functionalize_sync(t)
 
 
 def update_in_place(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -303,6 +313,8 @@ else:
     device_data_nodes: Callable[[list], tuple] = _xla("_get_tensors_xla_device_data_node", _XLAC)
     graph_hash: Callable[[list], bytes] = _xla("_get_graph_hash", _XLAC)
     _debug_info: Callable[[torch.Tensor], str] = _xla("_get_xla_tensor_debug_info", _XLAC)
+    # The pending IR of tensors as text (walks all of it).
+    ir_text: Callable[[list], str] = _xla("_get_xla_tensors_text", _XLAC)
 
     def ir_root(t: torch.Tensor) -> Optional[str]:
         """The root node of ``t``'s pending IR as torch_xla prints it (op, shape, attributes); None without IR.
@@ -322,6 +334,8 @@ else:
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
     tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
+    # The unique id of the lazy tensor behind a tensor now (a functional in-place op makes a new one).
+    tensor_id: Callable[[torch.Tensor], int] = _xla("_xla_get_tensor_id", _XLAC)
     # A device buffer's donation flag (torch.ops.xla.dynamo_set_buffer_donor_ sets it).
     get_buffer_donation: Callable[[torch.Tensor], bool] = _xla("_get_buffer_donation", _XLAC)
     set_buffer_donation: Callable[[torch.Tensor, bool], bool] = _xla("_set_buffer_donation", _XLAC)
@@ -329,6 +343,10 @@ else:
     user_computation: Callable[[str, list, Any], list] = _xla("_xla_user_computation", _XLAC)
     LoweringContext: type = _xla("lowering.LoweringContext", _XLAC)
     create_placeholder_tensor: Callable[..., torch.Tensor] = _xla("create_placeholder_tensor", _xb)
+    # Building XLA computations by hand (the accumulation loop).
+    xla_builder = _xb
+    _xla("Op.mkwhile", _xb)
+    _xla("Op.call", _xb)
     computation_from_module_proto: Callable[[str, bytes], Any] = _xla("computation_from_module_proto", _xb)
     eager_mode_context: Callable[[bool], Any] = _xla("eager_mode_context", _eager)
     is_eager_mode: Callable[[], bool] = _xla("is_eager_mode", _eager)

@@ -51,6 +51,10 @@ def write_over(targets: Sequence[torch.Tensor]) -> None:
     """``before_update`` that lets a call write its inputs' new values over their old ones, as they are."""
 
 
+def forget_call(computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor], outs: Sequence[Any]) -> None:
+    """``on_embedded`` that keeps no record of a call."""
+
+
 def eager_mode_reason() -> Optional[str]:
     """``upstream_reason`` of a forward: torch_xla's eager mode executes every op on its own."""
     if _private.is_eager_mode():
@@ -118,6 +122,13 @@ class DeferredGraph:
     place, before their new values are written (the caller may keep their
     old buffers, which the step's execution donates).
 
+    ``on_embedded``: called with each deferred call's lowered computation, the
+    inputs it was embedded with (in its parameters' order), its results and
+    the graph's outputs (those results, or constants), before any input is
+    written back, and for a backward after a zero-filled ``.grad`` was set
+    aside (the caller may record the call, e.g. to fold the calls of several
+    micro-batches into one loop).
+
     ``validate``: compile a new lowering whose inputs mix floating-point
     dtypes on its own at its first call (see :meth:`_validate`), for deferred
     work that runs inside a larger execution.
@@ -133,6 +144,7 @@ class DeferredGraph:
         kind: str = "forward",
         on_pending: Callable[[list[torch.Tensor]], None] = keep_pending,
         before_update: Callable[[Sequence[torch.Tensor]], None] = write_over,
+        on_embedded: Callable[[Any, Sequence[Any], Sequence[torch.Tensor], Sequence[Any]], None] = forget_call,
         upstream_reason: Callable[[], Optional[str]] = eager_mode_reason,
         unfused_effect: str = UNFUSED_FORWARD,
         validate: bool = False,
@@ -145,6 +157,7 @@ class DeferredGraph:
         self.kind = kind
         self.on_pending = on_pending
         self.before_update = before_update
+        self.on_embedded = on_embedded
         self.upstream_reason = upstream_reason
         self.upstream_compiler = upstream_compiler
         self.unfused_effect = unfused_effect
@@ -192,7 +205,7 @@ class DeferredGraph:
                 reason = lowered
             else:
                 host = self._split.host_values(args) if self._split else None
-                outs, pending = lowered(args)
+                outs, pending, inputs = lowered(args)
                 # Inside torch_xla.compile(full_graph=True) even compiling on its own counts as an
                 # execution: the function's sync compiles the graph, and raises there.
                 if new and self.validate and _mixed_float_dtypes(args) and _private.execution_allowed():
@@ -200,6 +213,8 @@ class DeferredGraph:
                 args.clear()
                 if self.kind == "backward":
                     grad_sync.store_like_a_first_gradient(outs)
+                self.on_embedded(lowered.computation, inputs, pending, outs)
+                del inputs
                 if self._split:
                     outs = self._split.merge(outs, host)
                 self.before_update(targets)
@@ -445,7 +460,8 @@ class _LoweredGraph:
     seed: Optional[tuple[int, str]] = None
     donors: tuple[int, ...] = ()
 
-    def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    def __call__(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
+        """Embeds one call: the graph's outputs, the computation's results and the inputs it was given."""
         for i in self.donors:
             if not _private.get_buffer_donation(args[i]):
                 _private.set_buffer_donation(args[i], True)  # False, and no mark, for a pending tensor
@@ -454,7 +470,7 @@ class _LoweredGraph:
             inputs[self.seed[0]] = _next_seed(self.seed[1])
         results = _private.user_computation(USER_COMPUTATION_NAME, inputs, self.computation)
         outs = [results[v] if is_tensor else v for is_tensor, v in self.outputs]
-        return outs, results
+        return outs, results, inputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, in_flight, optimizer_sync
+from . import _private, accumulation, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, in_flight, optimizer_sync
 from .deferred import DeferredGraph
 from .dynamo_bridge import boxed
 from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
@@ -171,6 +171,18 @@ class _Pair:
         self.launches_at_forward = _launches()
         self.forward_outputs = [weakref.ref(t) for t in pending]
 
+    def forward_embedded(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
+                         outs: Sequence[Any]) -> None:
+        """``on_embedded`` of the forward: recorded for folding (not where it executes on its own)."""
+        if self.unfused_reason is None:
+            _current_step().accumulation.record_forward(computation, inputs, results, outs)
+
+    def backward_embedded(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
+                          outs: Sequence[Any]) -> None:
+        """``on_embedded`` of the backward: recorded for folding, as its forward was."""
+        if self.unfused_reason is None:
+            _current_step().accumulation.record_backward(computation, inputs, results, outs)
+
     def before_backward(self) -> None:
         if self.forward_was_read():
             self.unfuse("a value was read (an XLA execution ran) between its forward and backward")
@@ -195,7 +207,7 @@ class _Step:
     :func:`_open_step` closes it, so that it draws no later no-backward graph in.
     """
 
-    __slots__ = ("pairs", "forwards", "joined", "__weakref__")
+    __slots__ = ("pairs", "forwards", "joined", "accumulation", "__weakref__")
 
     def __init__(self) -> None:
         # Pairs whose backward joined this step, by identity.
@@ -205,6 +217,8 @@ class _Step:
         # What else was left pending in it before any backward joined (the state a forward
         # writes, a no-backward graph's outputs), weakly.
         self.joined: list[weakref.ref[torch.Tensor]] = []
+        # Its embedded calls by micro-batch; alike micro-batches are folded into one loop.
+        self.accumulation = accumulation.Accumulation()
 
     def join(self, pending: Sequence[torch.Tensor]) -> None:
         self.joined.extend(weakref.ref(t) for t in pending)
@@ -292,9 +306,18 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
     if torch.compiler.is_compiling():
         _private.at_trace_time(_create_momentum_buffers_at_trace_time)
         return
+    _finish_accumulation()
     _create_state(optimizer)
     if _open_step() is not None or dynamo_fallback.trained_with(optimizer) == STEP_BACKEND_NAME:
         in_flight.keep_optimizer_update(optimizer)
+
+
+def _finish_accumulation() -> None:
+    """Where an optimizer step begins: the pending step's micro-batches are all in (see
+    :meth:`accumulation.Accumulation.finish`)."""
+    step = _open_step()
+    if step is not None:
+        step.accumulation.finish()
 
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
@@ -483,7 +506,8 @@ def compilers() -> dict[str, deferred.Compiler]:
         fresh_state = _FreshState(updated)
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
-            on_pending=pair.forward_pending, before_update=in_flight.keep, validate=True,
+            on_pending=pair.forward_pending, before_update=in_flight.keep, on_embedded=pair.forward_embedded,
+            validate=True,
             unfused_effect="it executes on its own; backward, accumulation and optimizer stay fused",
         )
 
@@ -501,7 +525,7 @@ def compilers() -> dict[str, deferred.Compiler]:
     def bw_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
-            kind="backward", upstream_reason=deferred.backward_reason,
+            kind="backward", upstream_reason=deferred.backward_reason, on_embedded=pair.backward_embedded,
             unfused_effect=deferred.UNFUSED_BACKWARD, validate=True,
         )
 
@@ -524,6 +548,7 @@ def compilers() -> dict[str, deferred.Compiler]:
             fresh_state = _FreshState(updated, optimizer_step=True)
 
             def update_state(args: list) -> Any:
+                _finish_accumulation()
                 fresh_state(args)
                 return update(args)
 

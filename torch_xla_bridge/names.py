@@ -41,3 +41,9 @@ EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
 
 # The name of the XLA computation a deferred graph is embedded as.
 USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
+# The name of the While loop that a step's alike micro-batches are folded into (accumulation.py).
+ACCUMULATION_LOOP_NAME = "xla::torch_xla_bridge_accumulation"
+# Every fold of openxla_fused_step's micro-batches into one loop (one per backward from the second on).
+FOLD_COUNTER = "OpenxlaFusedStepFold"
+# Every optimizer step whose micro-batches openxla_fused_step could not fold (it warned why, once per cause).
+UNFOLDED_COUNTER = "OpenxlaFusedStepUnfolded"

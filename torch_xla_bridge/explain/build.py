@@ -26,12 +26,14 @@ from typing import Iterable, Optional, Sequence
 
 from ..names import (
     COMPILE_COUNTERS,
+    FOLD_COUNTER,
     FORWARD_ALONE_COUNTER,
     FRESH_STATE_COUNTER,
     INPUT_SYNC_COUNTER,
     OPTIMIZER_SYNC_COUNTER,
     STEP_COUNTER,
     SYNC_COUNTER,
+    UNFOLDED_COUNTER,
 )
 from . import events as ev
 from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
@@ -39,7 +41,7 @@ from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 # The counters a report sums over the run (report.metrics, besides ExecuteTime).
 COUNTED = (
     INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER,
-    *COMPILE_COUNTERS
+    FOLD_COUNTER, UNFOLDED_COUNTER, *COMPILE_COUNTERS
 )
 # Causes whose execution opens a new step when the current one is complete.
 _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
@@ -64,7 +66,7 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
             return (
                 Cause.MARK_STEP,
                 "openxla_fused_step cuts the step: everything pending (forward, backward, "
-                ".grad accumulation, optimizer) as one execution",
+                ".grad accumulation, optimizer) as one execution" + _accumulation(call.counters),
             )
         if signal(OPTIMIZER_SYNC_COUNTER):
             return (
@@ -118,6 +120,15 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     if call.grads:
         return Cause.GRAD_READ, f"pending .grad of {_some(call.grads)} synced (_xla_sync_multi)"
     return Cause.OTHER, f"_xla_sync_multi of {call.synced} tensors"
+
+
+def _accumulation(counters: dict[str, int]) -> str:
+    """How the step's micro-batches were run, where it had several (from the counters since the last look)."""
+    if counters.get(UNFOLDED_COUNTER):
+        return "; its micro-batches not folded into one loop, each in the program (the warning says why)"
+    if counters.get(FOLD_COUNTER):
+        return "; its micro-batches folded into one loop (one forward and one backward in the program)"
+    return ""
 
 
 def _target(call: ev.CallStarted) -> str:
