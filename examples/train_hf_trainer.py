@@ -48,6 +48,8 @@ def build(
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step "
+                    "(gradient_accumulation_steps; openxla_fused_step folds them into one loop)")
     ap.add_argument("--output-dir", default=None, help="default: a temporary directory")
     ap.add_argument(
         "--compile-with", choices=("model", "framework"), default="model",
@@ -78,6 +80,7 @@ def build(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_"),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulate,
         learning_rate=3e-4,
         weight_decay=0.01,
         # The default, adamw_torch_fused, has no XLA kernel; the plain AdamW runs its
@@ -92,7 +95,7 @@ def build(
         seed=0,
         **framework_compile,
     )
-    dataset = RandomTokens(args.steps * args.batch, args.seq, config.vocab_size)
+    dataset = RandomTokens(args.steps * args.batch * args.accumulate, args.seq, config.vocab_size)
     return trainer_cls(model=model, args=training_args, train_dataset=dataset, callbacks=list(callbacks))
 
 

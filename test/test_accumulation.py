@@ -96,6 +96,18 @@ def _eager_cpu(model: nn.Module, steps: list[list[tuple[torch.Tensor, ...]]]) ->
     return losses, model
 
 
+def _assert_trains_like_eager_cpu(run: _Run, cpu: nn.Module, data: list[list[tuple[torch.Tensor, ...]]],
+                                   losses: list[list[float]], atol: float = 1e-6) -> None:
+    """Losses, parameters and buffers of ``run`` against eager CPU's on the same steps (``cpu`` trains here)."""
+    want, ref = _eager_cpu(cpu, data)
+    for g, w in zip(losses, want):
+        assert g == pytest.approx(w, abs=atol)
+    for p, q in zip(run.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=0, atol=atol)
+    for b, c in zip(run.model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b.cpu(), c, rtol=0, atol=atol)
+
+
 def _train(k: int, steps: int = 3, **kw) -> tuple[_Run, list[list[torch.Tensor]]]:
     cpu = _model(**{a: kw.pop(a) for a in ("batch_norm", "dropout") if a in kw})
     run = _Run(copy.deepcopy(cpu).to(torch_xla.device()), **kw)
@@ -119,11 +131,7 @@ def test_one_execution_per_step_and_eager_cpu_numerics(k: int, compiled_optimize
     assert run.executions[2:] == [1, 1], run.executions
     assert run.compiles[2:] == [0, 0], run.compiles
     assert counter(names.FOLD_COUNTER) - folds0 == 4 * (k - 1)
-    want, ref = _eager_cpu(cpu, data)
-    for g, w in zip(got, want):
-        assert g == pytest.approx(w, abs=1e-6)
-    for p, q in zip(run.model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=0, atol=1e-6)
+    _assert_trains_like_eager_cpu(run, cpu, data, got)
 
 
 def _unfolded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,11 +197,7 @@ def test_smaller_last_micro_batch_is_a_group_of_its_own() -> None:
         warnings.simplefilter("error", UserWarning)
         losses = [[t.item() for t in run.step(b)] for b in data]
     assert run.executions[1:] == [1, 1]
-    want, ref = _eager_cpu(cpu, data)
-    for g, w in zip(losses, want):
-        assert g == pytest.approx(w, abs=1e-6)
-    for p, q in zip(run.model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=0, atol=1e-6)
+    _assert_trains_like_eager_cpu(run, cpu, data, losses)
 
 
 @pytest.mark.parametrize("case", ["batch_norm", "eager_loss"])
@@ -204,6 +208,7 @@ def test_what_cannot_fold_stays_unrolled_and_says_why(case: str) -> None:
     run = _Run(copy.deepcopy(cpu).to(torch_xla.device()), eager_loss=case == "eager_loss")
     data = [_batches(3, seed=s) for s in range(3)]
     folds0 = counter(names.FOLD_COUNTER)
+    accumulation._warn_once.cache_clear()  # said once per process: an earlier test may have said it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [[t.item() for t in run.step(b)] for b in data]
@@ -212,13 +217,7 @@ def test_what_cannot_fold_stays_unrolled_and_says_why(case: str) -> None:
     assert len(said) == 1 and why in said[0], said
     assert counter(names.FOLD_COUNTER) == folds0
     assert run.executions[1:] == [1, 1]
-    want, ref = _eager_cpu(cpu, data)
-    for g, w in zip(losses, want):
-        assert g == pytest.approx(w, abs=1e-5)
-    for p, q in zip(run.model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=0, atol=1e-5)
-    for b, c in zip(run.model.buffers(), ref.buffers()):
-        torch.testing.assert_close(b.cpu(), c, rtol=0, atol=1e-5)
+    _assert_trains_like_eager_cpu(run, cpu, data, losses, atol=1e-5)
 
 
 def test_a_read_inside_the_loop_starts_a_new_group() -> None:

@@ -73,6 +73,9 @@ def assert_matches_eager_cpu_record(
 # model's output, so the fused step cannot fold the micro-batches into one loop (it says how to).
 EXPECTED_WARNINGS = {("accumulation_with_grad_norms", FUSED_STEP): "compile the loss with the model to fold"}
 
+# Folds of micro-batches into one loop over the run (openxla_fused_step): micro-batches - 1 per step.
+FOLDS = {"nanogpt_shaped": 6 * (2 - 1), "nanogpt_shaped_accumulate8": 4 * (8 - 1)}
+
 WARMUP = 2  # iteration 1 compiles; iteration 2 first sees optimizer state and existing .grad
 # Compilations settle one iteration later: dynamo recompiles a compiled optimizer step at its
 # second call (its step count is no longer the initial one), which traces in iteration 3.
@@ -111,6 +114,9 @@ EXPECTED: dict[str, dict[str, int]] = {
     # fused_grad: 2 x (forward, backward) and its barrier at the optimizer step. Upstream
     # (test_upstream_grows_a_script_without_sync): 7, compiling every iteration.
     "nanogpt_shaped": {FUSED: 5, FUSED_STEP: 1},
+    # The same at 8 micro-batches: fused_grad 8 x (forward, backward) and its barrier; fused_step
+    # folds the 8 into one loop (test_nanogpt_shaped_folds_its_micro_batches).
+    "nanogpt_shaped_accumulate8": {FUSED: 17, FUSED_STEP: 1},
 }
 
 
@@ -134,6 +140,8 @@ def test_user_loop_trains_like_eager_cpu(name, backend):
             assert len(rec["warnings"]) == 1 and said in rec["warnings"][0], rec["warnings"]
         # Warmed up, nothing compiles again (a graph that grows every iteration would).
         assert rec["compiles"][COMPILE_WARMUP:] == [0] * (len(rec["compiles"]) - COMPILE_WARMUP), rec["compiles"]
+    if backend == FUSED_STEP and name in FOLDS:
+        assert rec["folds"] == FOLDS[name], rec["folds"]
 
 
 @pytest.mark.parametrize("backend", [FUSED, FUSED_STEP])

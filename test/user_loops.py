@@ -375,6 +375,17 @@ def nanogpt_shaped(backend: Optional[str], device: str = "xla", steps: int = 6) 
     """karpathy/nanoGPT's train.py loop, written for CUDA: no sync anywhere, an eager AdamW whose lr is set
     in ``param_groups`` every iteration, 2 micro-batches of gradient accumulation, ``clip_grad_norm_``,
     ``zero_grad(set_to_none=True)``, ``loss.item()`` every iteration."""
+    return _nanogpt(backend, device, steps, micro=2)
+
+
+@loop
+def nanogpt_shaped_accumulate8(backend: Optional[str], device: str = "xla", steps: int = 4) -> Record:
+    """The same loop at 8 micro-batches per optimizer step (nanoGPT's GPT-2 config runs 40); the record
+    also holds how often openxla_fused_step folded micro-batches into one loop."""
+    return _nanogpt(backend, device, steps, micro=8)
+
+
+def _nanogpt(backend: Optional[str], device: str, steps: int, micro: int) -> Record:
     r = Run(backend, device)
     torch.manual_seed(7)
     model = _TinyGPT().to(r.device)
@@ -388,16 +399,22 @@ def nanogpt_shaped(backend: Optional[str], device: str = "xla", steps: int = 6) 
     for i in range(steps):
         for group in opt.param_groups:
             group["lr"] = 1e-3 * (i + 1) / steps  # warm-up, as nanoGPT's get_lr
-        for _ in range(2):
+        for _ in range(micro):
             idx = torch.randint(0, 48, (4, 16), generator=gen)
             _, loss = fwd(idx.to(r.device), idx.roll(-1, dims=1).to(r.device))
-            (loss / 2).backward()
+            (loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         r.end_iteration()
-    return r.record({"model": model}, values=losses)
+    folds = 0
+    if r.on_xla:
+        from torch_xla_bridge.counting import counter
+        from torch_xla_bridge.names import FOLD_COUNTER
+
+        folds = counter(FOLD_COUNTER)
+    return r.record({"model": model}, values=losses, folds=folds)
 
 
 def main(argv: list[str]) -> None:
