@@ -72,8 +72,9 @@ class Data:
 
     def __init__(self, root: Path = RESULTS):
         self.root = root
-        self.results, self.host, self.per_op, self.spmd = (
-            json.loads((root / f"{name}.json").read_text()) for name in ("results", "host_time", "per_op", "spmd"))
+        self.results, self.host, self.per_op, self.spmd, self.accumulation = (
+            json.loads((root / f"{name}.json").read_text())
+            for name in ("results", "host_time", "per_op", "spmd", "accumulation"))
 
     def run(self, workload: str, loop: str, mode: str, micro: int | None = None) -> dict:
         """One configuration of results.json (``micro``: the micro-batch study's count)."""
@@ -102,6 +103,13 @@ class Data:
             if (r["layout"], r["loop"]) == (layout, LOOPS[loop].optimizer):
                 return r
         raise KeyError(f"spmd.json: no row {layout}/{loop}")
+
+    def accumulation_row(self, k: int, mode: str) -> dict:
+        """A row of bench.accumulation's (K micro-batches, one mode)."""
+        for r in self.accumulation["rows"]:
+            if (r["micro"], r["mode"]) == (k, mode):
+                return r
+        raise KeyError(f"accumulation.json: no row K={k}/{mode}")
 
     def llama_row(self, devices: int, mesh: str, mode: str) -> dict:
         """A row of bench.llama_spmd's (``mesh``: fsdp or 2d, as its --mesh)."""
@@ -161,8 +169,8 @@ def span(texts: list[str]) -> str:
 
 def _lookup(data: Data, parts: list[str]):
     """The value at a path: results/WORKLOAD/LOOP[xMICRO]/MODE/FIELD, host/WORKLOAD/MODE/FIELD,
-    per_op/on|off/FIELD[/KEY...], spmd/LAYOUT/LOOP/FIELD[/KEY], llama/DEVICES/fsdp|2d/MODE/FIELD[/KEY]
-    (spaces in names written as '_')."""
+    per_op/on|off/FIELD[/KEY...], spmd/LAYOUT/LOOP/FIELD[/KEY], llama/DEVICES/fsdp|2d/MODE/FIELD[/KEY],
+    accumulation/K/MODE/FIELD (spaces in names written as '_')."""
     kind, *rest = parts
     if kind == "results":
         workload, loop, mode, field = rest
@@ -181,6 +189,9 @@ def _lookup(data: Data, parts: list[str]):
     elif kind == "llama":
         devices, mesh, mode, *keys = rest
         row = data.llama_row(int(devices), mesh, mode)
+    elif kind == "accumulation":
+        k, mode, field = rest
+        row, keys = data.accumulation_row(int(k), mode), [field]
     else:
         raise KeyError(f"unknown results file {kind!r}")
     value = row
@@ -469,7 +480,30 @@ def spmd_llama(data: Data, doc: Path) -> list[str]:
     return lines
 
 
+def accumulation(data: Data, doc: Path) -> list[str]:
+    """bench.accumulation's run: per K, each mode's executions, XLA compile time and largest program."""
+    rows = data.accumulation["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    lines = [
+        f"The last full run of `python -m bench.accumulation` ({data.accumulation['workload']}; "
+        f"[table]({_rel(doc, data.root / 'accumulation.md')}), [data]({_rel(doc, data.root / 'accumulation.json')})): "
+        f"executions per optimizer step, XLA compile seconds, the largest compiled program:",
+        "",
+        "| K | " + " | ".join(mode_name(m) for m in modes) + " |",
+        "|---|" + "---|" * len(modes),
+    ]
+    for k in dict.fromkeys(r["micro"] for r in rows):
+        cells = []
+        for m in modes:
+            r = data.accumulation_row(k, m)
+            cells.append(f"not run ({r['skipped']})" if "skipped" in r else
+                         f"{r['executions_per_step']}, {r['xla_compile_s']:.1f} s, {r['device_peak_mb']:.0f} MB")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
 REGIONS: dict[str, Callable[[Data, Path], list[str]]] = {
+    "accumulation": accumulation,
     "executions": executions,
     "headline": headline,
     "bench-steps": bench_steps,

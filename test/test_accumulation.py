@@ -5,10 +5,10 @@ per micro-batch, then ``opt.step(); opt.zero_grad()``): one execution per
 step and no compile after warm-up at K = 1, 3, 8; losses, gradients and
 parameters as eager CPU's, and exactly (bitwise) as the same step unrolled;
 the step's program holds one forward and one backward whatever K (its HLO
-counted); each micro-batch's loss read after the step at no execution; and the
-degraded cases (a smaller last micro-batch, BatchNorm's running statistics,
-a loss computed eagerly outside the compiled graph, a read inside the loop)
-correct, with the warning that names why.
+counted); each micro-batch's loss read after the step at no execution;
+BatchNorm's running statistics carried by the loop; and the degraded cases (a
+smaller last micro-batch, a loss computed eagerly outside the compiled graph, a
+read inside the loop) correct, with the warning that names why where one is due.
 """
 
 from __future__ import annotations
@@ -200,12 +200,26 @@ def test_smaller_last_micro_batch_is_a_group_of_its_own() -> None:
     _assert_trains_like_eager_cpu(run, cpu, data, losses)
 
 
-@pytest.mark.parametrize("case", ["batch_norm", "eager_loss"])
-def test_what_cannot_fold_stays_unrolled_and_says_why(case: str) -> None:
-    """BatchNorm's running statistics change between micro-batches; a loss computed eagerly from the compiled
-    model's output feeds each backward from its own forward. Both stay unrolled, correct, one warning."""
-    cpu = _model(batch_norm=case == "batch_norm")
-    run = _Run(copy.deepcopy(cpu).to(torch_xla.device()), eager_loss=case == "eager_loss")
+def test_batch_norm_statistics_are_carried_by_the_loop() -> None:
+    """BatchNorm's running statistics, which each micro-batch's forward updates in place, are the loop's carried
+    state: folded, and statistics, losses and parameters as eager CPU's."""
+    cpu = _model(batch_norm=True)
+    run = _Run(copy.deepcopy(cpu).to(torch_xla.device()))
+    data = [_batches(4, seed=s) for s in range(3)]
+    folds0 = counter(names.FOLD_COUNTER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        losses = [[t.item() for t in run.step(b)] for b in data]
+    assert counter(names.FOLD_COUNTER) - folds0 == 3 * (4 - 1)
+    assert run.executions[1:] == [1, 1]
+    _assert_trains_like_eager_cpu(run, cpu, data, losses, atol=1e-5)
+
+
+def test_an_eagerly_computed_loss_stays_unrolled_and_says_why() -> None:
+    """A loss computed eagerly from the compiled model's output feeds each backward from its own forward:
+    unrolled, correct, one warning naming the fix."""
+    cpu = _model()
+    run = _Run(copy.deepcopy(cpu).to(torch_xla.device()), eager_loss=True)
     data = [_batches(3, seed=s) for s in range(3)]
     folds0 = counter(names.FOLD_COUNTER)
     accumulation._warn_once.cache_clear()  # said once per process: an earlier test may have said it
@@ -213,8 +227,7 @@ def test_what_cannot_fold_stays_unrolled_and_says_why(case: str) -> None:
         warnings.simplefilter("always")
         losses = [[t.item() for t in run.step(b)] for b in data]
     said = [str(w.message) for w in caught if NOT_FOLDED in str(w.message)]
-    why = "BatchNorm" if case == "batch_norm" else "compile the loss with the model"
-    assert len(said) == 1 and why in said[0], said
+    assert len(said) == 1 and "compile the loss with the model" in said[0], said
     assert counter(names.FOLD_COUNTER) == folds0
     assert run.executions[1:] == [1, 1]
     _assert_trains_like_eager_cpu(run, cpu, data, losses, atol=1e-5)
@@ -249,13 +262,13 @@ def test_explain_says_whether_the_micro_batches_were_folded() -> None:
     from torch_xla_bridge.explain import explain
 
     details = {}
-    for batch_norm in (False, True):
+    for eager_loss in (False, True):
         torch._dynamo.reset()
-        run = _Run(_model(batch_norm=batch_norm).to(torch_xla.device()))
+        run = _Run(_model().to(torch_xla.device()), eager_loss=eager_loss)
         with warnings.catch_warnings(), explain() as ex:
             warnings.simplefilter("ignore")
             for s in range(3):
                 run.step(_batches(4, seed=s))
-        details[batch_norm] = [e.detail for e in ex.report.steps[-1].executions]
+        details[eager_loss] = [e.detail for e in ex.report.steps[-1].executions]
     assert len(details[False]) == 1 and "micro-batches folded into one loop" in details[False][0]
     assert len(details[True]) == 1 and "micro-batches not folded into one loop" in details[True][0]

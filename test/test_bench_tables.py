@@ -52,7 +52,7 @@ def test_the_docs_quote_results_in_generated_regions_and_figures():
     # Guards the check itself: it has something to check on every page that quotes results.
     expected = {"README.md": {"executions", "headline"}, "docs/index.md": {"executions"},
                 "docs/benchmarks.md": {"bench-steps", "bench-scaling", "bench-memory", "host-time", "per-op",
-                                       "per-op-embed"},
+                                       "per-op-embed", "accumulation"},
                 "docs/spmd.md": {"spmd", "spmd-llama"}}
     for page, regions in expected.items():
         text = (ROOT / page).read_text()

@@ -17,7 +17,7 @@ ALLOWED = {
         "accumulation", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "in_flight",
         "counting", "_private", "names",
     },
-    "accumulation": {"grad_sync", "counting", "_private", "names"},
+    "accumulation": {"deferred", "grad_sync", "counting", "_private", "names"},
     "deferred": {"grad_sync", "host_scalars", "counting", "_private", "names"},
     "dynamo_bridge": {"grad_sync", "_private", "names"},
     "optimizer_sync": {"dynamo_fallback", "grad_sync", "in_flight", "counting", "_private", "names"},

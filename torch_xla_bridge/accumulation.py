@@ -53,6 +53,7 @@ import torch
 from torch.utils.weak import WeakIdRef  # dereferenced with _fix_weakref, as a tensor's weak reference must be
 
 from . import _private, counting, grad_sync
+from .deferred import Embedded
 from .names import (
     ACCUMULATION_LOOP_NAME, FOLD_COUNTER, STEP_BACKEND_NAME, UNFOLDED_COUNTER, USER_COMPUTATION_NAME,
 )
@@ -64,22 +65,37 @@ log = logging.getLogger(__name__)
 _Wire = Optional[tuple[int, int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Update:
+    """An input a call updates in place: see ``_Call.updates``."""
+
+    result: int
+    before_id: int
+    after_id: int
+    before: torch.Tensor
+
+
 @dataclasses.dataclass(eq=False)
 class _Call:
     """One embedded call: its computation, its inputs from outside (None where wired) and results (weakly).
 
-    ``handles``: per outside input, its device-data handle (None where it is
-    pending IR). ``leaves``: for a backward, per result, the leaf whose
+    ``handles``: per outside input, what says its value is another's:
+    ``(_DATA, its device-data handle)``, ``(_CONSTANT, its graph hash)`` for
+    pending IR made of constants only (a mask created per call), else None. ``leaves``: for a backward, per result, the leaf whose
     ``.grad`` the engine accumulates it into (None: none).
     """
 
     computation: Any
     inputs: list[Optional[torch.Tensor]]
     wires: tuple[_Wire, ...]
-    handles: tuple[Optional[int], ...]
+    handles: tuple[Optional[tuple[int, Any]], ...]
     results: list[WeakIdRef]
     backward: bool = False
     leaves: tuple[Optional[torch.Tensor], ...] = ()
+    # Inputs the call updates in place (BatchNorm's statistics), by input index: the result that
+    # becomes its new value, the id of the lazy tensor it held and of the one it takes, and its
+    # value before the call (a tensor on the same data or IR).
+    updates: dict[int, _Update] = dataclasses.field(default_factory=dict)
 
     def structure(self) -> tuple:
         return (id(self.computation), self.wires, tuple(id(leaf) if leaf is not None else None for leaf in self.leaves))
@@ -121,13 +137,11 @@ class Accumulation:
 
     # --- recording: the deferred graphs' on_embedded policies ---
 
-    def record_forward(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
-                       outs: Sequence[Any]) -> None:
+    def record_forward(self, call: Embedded) -> None:
         if not self.stopped:
-            self._record(computation, inputs, results)
+            self._record(call)
 
-    def record_backward(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
-                        outs: Sequence[Any]) -> None:
+    def record_backward(self, call: Embedded) -> None:
         """Also: the leaf each result accumulates into, the ``.grad`` values a new group starts from,
         and the fold, queued for the end of the pass."""
         if self.stopped:
@@ -138,9 +152,9 @@ class Accumulation:
             self.stop("a backward ran outside a plain backward pass (create_graph=True, or called directly)",
                       warn=False)
             return
-        by_id = {id(r): m for m, r in enumerate(results)}
-        leaves: list[Optional[torch.Tensor]] = [None] * len(results)
-        for (fn, _), out in zip(node.next_functions, outs):
+        by_id = {id(r): m for m, r in enumerate(call.results)}
+        leaves: list[Optional[torch.Tensor]] = [None] * len(call.results)
+        for (fn, _), out in zip(node.next_functions, call.outs):
             if type(fn) is _private.AccumulateGrad and isinstance(out, torch.Tensor) and id(out) in by_id:
                 try:
                     runs = _private.will_engine_execute_node(fn)
@@ -152,7 +166,7 @@ class Accumulation:
                     return
                 leaves[by_id[id(out)]] = fn.variable
         first = not any(c.backward for c in self.current)
-        self._record(computation, inputs, results, tuple(leaves))
+        self._record(call, tuple(leaves))
         if first:
             self._starts = {} if self._new_group() else None
         if self._starts is not None:
@@ -163,11 +177,10 @@ class Accumulation:
             self._queued_task = task
             _private.queue_engine_callback(self.end_of_backward)
 
-    def _record(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
-                leaves: Optional[tuple[Optional[torch.Tensor], ...]] = None) -> None:
+    def _record(self, call: Embedded, leaves: Optional[tuple[Optional[torch.Tensor], ...]] = None) -> None:
         wires: list[_Wire] = []
         outside: list[Optional[torch.Tensor]] = []
-        for t in inputs:
+        for t in call.inputs:
             found = self._where.get(id(t))
             if found is not None and found[0]() is t:
                 wires.append(found[1:])
@@ -179,13 +192,18 @@ class Accumulation:
         pending = iter(_private.need_materialization(tensors) if tensors else [])
         is_pending = [t is None or next(pending) for t in outside]
         data = [t for t, p in zip(outside, is_pending) if not p]
-        handles = iter(_private.tensors_handle(data) if data else [])
+        handles = iter([(_DATA, h) for h in _private.tensors_handle(data)] if data else [])
         index = len(self.current)
-        for m, r in enumerate(results):
+        for m, r in enumerate(call.results):
             self._where[id(r)] = (WeakIdRef(r), index, m)
+        # A pending input the call updates in place (BatchNorm's statistics) holds the micro-batches before it:
+        # never walked (it is carried, or refused).
+        written = {id(target) for target, _ in call.written}
         self.current.append(_Call(
-            computation, outside, tuple(wires), tuple(None if p else next(handles) for p in is_pending),
-            [WeakIdRef(r) for r in results], leaves is not None, leaves or (),
+            call.computation, outside, tuple(wires),
+            tuple((_constant_key(t) if t is not None and id(t) not in written else None) if p else next(handles)
+                  for t, p in zip(outside, is_pending)),
+            [WeakIdRef(r) for r in call.results], leaves is not None, leaves or (), _updates(call, outside),
         ))
 
     def _new_group(self) -> bool:
@@ -193,11 +211,16 @@ class Accumulation:
         continue, an execution since, other calls, or a ``.grad`` that is not what the last micro-batch
         left: set to None or changed in place, e.g. by ``zero_grad()``)."""
         if self.group is None or counting.launches() != self._launches:
+            log.debug("new group: %s", "the first" if self.group is None else "an execution since the last")
             return True
         prefix = tuple(c.structure() for c in self.current)
         if self.group.structure[:len(prefix)] != prefix:
+            log.debug("new group: other calls than the group's micro-batches")
             return True
-        return not all(left.holds(leaf.grad) for leaf, left in self.group.left)
+        if not all(left.holds(leaf.grad) for leaf, left in self.group.left):
+            log.debug("new group: a .grad changed since the last micro-batch")
+            return True
+        return False
 
     def stop(self, reason: str, warn: bool = True) -> None:
         """Folds nothing more in this step (what is folded stays folded); warns once per reason, unless the
@@ -258,19 +281,45 @@ class Accumulation:
 
 
 class _Left:
-    """A ``.grad`` as a micro-batch left it: the tensor (weakly) and the id of the lazy tensor holding its
-    value (an in-place change of ``.grad`` gives it a new one)."""
+    """A ``.grad`` as a micro-batch left it: the id of the lazy tensor holding its value (an in-place change
+    of ``.grad`` gives it a new one; a tensor given back as ``.grad`` that took the value keeps it)."""
 
-    __slots__ = ("tensor", "value")
+    __slots__ = ("value",)
 
     def __init__(self, grad: Optional[torch.Tensor]) -> None:
-        self.tensor = WeakIdRef(grad) if grad is not None else None
         self.value = _private.tensor_id(grad) if grad is not None else None
 
     def holds(self, grad: Optional[torch.Tensor]) -> bool:
-        if grad is None or self.tensor is None or self.tensor() is not grad:
-            return False
-        return self.value == _private.tensor_id(grad)
+        return grad is not None and self.value == _private.tensor_id(grad)
+
+
+# Kinds of value keys in _Call.handles.
+_DATA, _CONSTANT = 0, 1
+
+
+def _constant_key(t: torch.Tensor) -> Optional[tuple[int, Any]]:
+    """``(_CONSTANT, graph hash)`` for a pending tensor whose IR is made of constants only (two such with one
+    hash hold the same value), else None. Its IR is walked: inputs from outside are small graphs."""
+    if _private.device_data_nodes([t])[0]:
+        return None
+    return _CONSTANT, _private.graph_hash([t])
+
+
+def _updates(call: Embedded, outside: Sequence[Optional[torch.Tensor]]) -> dict[int, _Update]:
+    """The inputs ``call`` updates in place, by input index (see ``_Call.updates``); those it cannot
+    follow (an input passed twice, a new value that is no result) are left out, and then refused at the fold."""
+    if not call.written:
+        return {}
+    results = {id(r): m for m, r in enumerate(call.results)}
+    updates = {}
+    with torch.no_grad():
+        for target, value in call.written:
+            positions = [j for j, t in enumerate(outside) if t is target]
+            if len(positions) == 1 and id(value) in results:
+                updates[positions[0]] = _Update(
+                    results[id(value)], _private.tensor_id(target), _private.tensor_id(value), target.detach().clone(),
+                )
+    return updates
 
 
 def _value_of(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -292,6 +341,11 @@ def _warn_once(reason: str) -> None:
 # --- the loop ----------------------------------------------------------------------
 
 
+# How an input from outside reaches the loop: passed once (the same tensor and data in every micro-batch),
+# stacked (sliced per iteration), or carried (updated in place by its call: the loop state).
+_ONCE, _STACKED, _CARRIED = 0, 1, 2
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """What a loop computation is built from, tensors aside (its cache key)."""
@@ -299,7 +353,8 @@ class _Layout:
     k: int
     computations: tuple[Any, ...]          # per call of a micro-batch
     wires: tuple[tuple[_Wire, ...], ...]   # per call, per input
-    stacked: tuple[tuple[bool, ...], ...]  # per call, per input from outside: stacked (else passed once)
+    kinds: tuple[tuple[int, ...], ...]     # per call, per input from outside: _ONCE, _STACKED or _CARRIED
+    carries: tuple[tuple[int, int, int], ...]  # per carried input: (call, input, the result that updates it)
     sums: tuple[tuple[tuple[int, int], ...], ...]  # per accumulated leaf: the (call, result)s it adds up
     stores_first: tuple[bool, ...]         # per accumulated leaf: .grad was None before the first
     results: tuple[tuple[int, int, bool], ...]  # per forward result given out: (call, result, stacked)
@@ -311,33 +366,42 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
     batches = group.micro_batches
     k = len(batches)
     first = batches[0]
-    stacked: list[tuple[bool, ...]] = []
+    kinds: list[tuple[int, ...]] = []
     columns: list[list[torch.Tensor]] = []
+    carries: list[tuple[int, int, int]] = []
+    carried: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the input updated in place, its first value)
     for c, call in enumerate(first):
         flags = []
         for j, t in enumerate(call.inputs):
             if t is None:
-                flags.append(False)
+                flags.append(_ONCE)
                 continue
             column = [mb[c].inputs[j] for mb in batches]
             handles = [mb[c].handles[j] for mb in batches]
-            if all(x is t for x in column):
-                if handles[0] is None or any(h != handles[0] for h in handles):
-                    return ("an input of a compiled graph is updated in place between micro-batches (state "
-                            "its forward updates, e.g. BatchNorm's running statistics)"), True
-                flags.append(False)
+            if handles[0] is not None and all(h == handles[0] for h in handles):
+                # One value in every micro-batch: the same data, or the same constants.
+                flags.append(_ONCE)
                 columns.append([t])
                 continue
-            if call.backward and any(h is not None for h in handles):
+            if all(x is t for x in column):
+                update = _carried(batches, c, j)
+                if update is None:
+                    return ("an input of a compiled graph changes between micro-batches in place, not as the "
+                            "graph's own update of it"), True
+                flags.append(_CARRIED)
+                carries.append((c, j, update.result))
+                carried.append((t, update.before))
+                continue
+            if call.backward and any(h is not None and h[0] == _DATA for h in handles):
                 # Its forward executed on its own (it was said why): nothing of a loop to gain.
                 return "a backward graph's saved activations were computed outside this backend's forward graphs", False
             if handles[-1] is None and _computed_from_calls(column[-1]):
                 return (f"an input of a compiled {'backward' if call.backward else 'forward'} graph is computed "
                         f"outside the compiled graphs from a micro-batch's results (e.g. a loss computed eagerly "
                         f"from the compiled model's output: compile the loss with the model to fold)"), True
-            flags.append(True)
+            flags.append(_STACKED)
             columns.append(column)
-        stacked.append(tuple(flags))
+        kinds.append(tuple(flags))
     sums: dict[int, list[tuple[int, int]]] = {}
     leaves: dict[int, torch.Tensor] = {}
     for c, call in enumerate(first):
@@ -363,8 +427,8 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
                 given.append((c, m, any(i != k - 1 for i, _ in live)))
                 alive.append(live)
     layout = _Layout(
-        k, tuple(call.computation for call in first), tuple(call.wires for call in first), tuple(stacked),
-        tuple(tuple(sums[key]) for key in order), tuple(s is None for s in starts), tuple(given),
+        k, tuple(call.computation for call in first), tuple(call.wires for call in first), tuple(kinds),
+        tuple(carries), tuple(tuple(sums[key]) for key in order), tuple(s is None for s in starts), tuple(given),
     )
     with torch.no_grad():
         inputs = [column[0] if len(column) == 1 else torch.stack(column) for column in columns]
@@ -374,9 +438,17 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
             t = live[-1][1]
             buffers.append(torch.zeros((k, *t.shape) if stacked_out else t.shape, dtype=t.dtype, device=t.device))
         counter = torch.zeros((), dtype=torch.int32, device=leaves[order[0]].device)
-        state = [counter, *inputs, *accs, *buffers]
+        state = [counter, *inputs, *(before for _, before in carried), *accs, *buffers]
         outs = _private.user_computation(ACCUMULATION_LOOP_NAME, state, _loop(layout, state))
     n = 1 + len(inputs)
+    # State the forward updates in place takes its value after the last micro-batch from the loop.
+    for (target, _), value in zip(carried, outs[n:n + len(carried)]):
+        _private.update_in_place(target, value)
+    _private.settle([target for target, _ in carried])
+    for (c, j, _), (target, _) in zip(carries, carried):
+        update = batches[-1][c].updates[j]
+        batches[-1][c].updates[j] = dataclasses.replace(update, after_id=_private.tensor_id(target))
+    n += len(carried)
     for key, value in zip(order, outs[n:n + len(order)]):
         _private.update_in_place(leaves[key].grad, value)
     # Applied now: the engine's add then builds on the loop's value, and a later change of .grad shows.
@@ -388,8 +460,8 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
         for i, t in live
     ]
     counting.bump(FOLD_COUNTER)
-    log.debug("folded %d micro-batches: %d inputs (%d stacked), %d gradients, %d results given out",
-              k, len(inputs), sum(map(sum, stacked)), len(order), len(given))
+    log.debug("folded %d micro-batches: %d inputs (%d stacked), %d carried, %d gradients, %d results given out",
+              k, len(inputs), sum(f == _STACKED for flags in kinds for f in flags), len(carried), len(order), len(given))
     return None
 
 
@@ -399,6 +471,18 @@ def _computed_from_calls(t: torch.Tensor) -> bool:
     looked at, once (its IR: a small graph of eager ops at most, an embedded call being one node)."""
     text = _private.ir_text([t])
     return USER_COMPUTATION_NAME in text or ACCUMULATION_LOOP_NAME in text
+
+
+def _carried(batches: Sequence[list[_Call]], c: int, j: int) -> Optional[_Update]:
+    """The first micro-batch's update of input ``j`` of call ``c``, if every micro-batch's call updates it
+    in place into the same result and each takes exactly the value the one before wrote (the loop then
+    carries it); None otherwise."""
+    updates = [mb[c].updates.get(j) for mb in batches]
+    if any(u is None or u.result != updates[0].result for u in updates):
+        return None
+    if any(u.before_id != prev.after_id for prev, u in zip(updates, updates[1:])):
+        return None
+    return updates[0]
 
 
 def _read_later(calls: Sequence[_Call], c: int, m: int) -> bool:
@@ -423,22 +507,27 @@ def _loop(layout: _Layout, state: Sequence[torch.Tensor]) -> Any:
 
 
 def _build(layout: _Layout, state: Sequence[torch.Tensor]) -> Any:
-    """The While computation over state ``(i, *inputs, *sums, *results)``, ``layout.k`` iterations.
+    """The While computation over state ``(i, *inputs, *carried, *sums, *results)``, ``layout.k`` iterations.
 
     Per iteration: each call of a micro-batch, in order, on the inputs passed
     once, the ``i``-th slice of the stacked ones, and its micro-batch's
-    earlier results where wired; each sum adds its gradients (the first
+    earlier results where wired, the carried state where updated in place
+    (then the call's new value of it is carried on); each sum adds its gradients (the first
     iteration stores them as they are where ``.grad`` was None, as the engine
     does); each given-out result is written to its slot (or kept, the last).
     """
     xb = _private.xla_builder
     builder = xb.create_builder("accumulation")
     params = [xb.mkparam(builder, n, xb.tensor_shape(t)) for n, t in enumerate(state)]
-    n_inputs = sum(w is None for wires in layout.wires for w in wires)
-    n_sums = len(layout.sums)
+    n_inputs = sum(kind != _CARRIED and w is None for wires, kinds in zip(layout.wires, layout.kinds)
+                   for w, kind in zip(wires, kinds))
+    n_carries, n_sums = len(layout.carries), len(layout.sums)
 
     def body(i: Any, *rest: Any) -> tuple:
-        inputs, sums, buffers = rest[:n_inputs], rest[n_inputs:n_inputs + n_sums], rest[n_inputs + n_sums:]
+        inputs, rest = rest[:n_inputs], rest[n_inputs:]
+        carries, rest = list(rest[:n_carries]), rest[n_carries:]
+        sums, buffers = rest[:n_sums], rest[n_sums:]
+        slot = {(c, j): n for n, (c, j, _) in enumerate(layout.carries)}
         zero = i.zeros_like()
         given = iter(inputs)
         calls = []
@@ -448,12 +537,18 @@ def _build(layout: _Layout, state: Sequence[torch.Tensor]) -> Any:
                 if wire is not None:
                     args.append(calls[wire[0]].get_tuple_element(wire[1]))
                     continue
+                if layout.kinds[c][j] == _CARRIED:
+                    args.append(carries[slot[(c, j)]])
+                    continue
                 x = next(given)
-                if layout.stacked[c][j]:
+                if layout.kinds[c][j] == _STACKED:
                     sizes = list(x.shape().sizes)
                     x = x.dynamic_slice([i] + [zero] * (len(sizes) - 1), [1] + sizes[1:]).reshape(sizes[1:])
                 args.append(x)
             calls.append(xb.Op.call(computation, args))
+            for n, (cc, _, m) in enumerate(layout.carries):
+                if cc == c:
+                    carries[n] = calls[c].get_tuple_element(m)
         new_sums = []
         for total, parts, store in zip(sums, layout.sums, layout.stores_first):
             g = calls[parts[0][0]].get_tuple_element(parts[0][1])
@@ -471,11 +566,8 @@ def _build(layout: _Layout, state: Sequence[torch.Tensor]) -> Any:
                 sizes = list(value.shape().sizes)
                 value = buffer.dynamic_update_slice(value.reshape([1] + sizes), [i] + [zero] * len(sizes))
             new_buffers.append(value)
-        one = xb.Op.scalar(builder_of(i), 1, dtype=xb.Type.S32)
-        return (i + one, *inputs, *new_sums, *new_buffers)
-
-    def builder_of(op: Any) -> Any:
-        return op.builder()
+        one = xb.Op.scalar(i.builder(), 1, dtype=xb.Type.S32)
+        return (i + one, *inputs, *carries, *new_sums, *new_buffers)
 
     def cond(i: Any, *rest: Any) -> Any:
         return i < xb.Op.scalar(i.builder(), layout.k, dtype=xb.Type.S32)

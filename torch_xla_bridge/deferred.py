@@ -51,7 +51,24 @@ def write_over(targets: Sequence[torch.Tensor]) -> None:
     """``before_update`` that lets a call write its inputs' new values over their old ones, as they are."""
 
 
-def forget_call(computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor], outs: Sequence[Any]) -> None:
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    """One deferred call as it was embedded (what ``on_embedded`` is told).
+
+    ``inputs``: what the computation was given, in its parameters' order;
+    ``results``: its results; ``outs``: the graph's outputs (those results,
+    or constants); ``written``: each input the call updates in place, with
+    the new value it is about to take (one of ``outs``).
+    """
+
+    computation: Any
+    inputs: Sequence[Any]
+    results: Sequence[torch.Tensor]
+    outs: Sequence[Any]
+    written: Sequence[tuple[torch.Tensor, Any]] = ()
+
+
+def forget_call(call: Embedded) -> None:
     """``on_embedded`` that keeps no record of a call."""
 
 
@@ -122,12 +139,10 @@ class DeferredGraph:
     place, before their new values are written (the caller may keep their
     old buffers, which the step's execution donates).
 
-    ``on_embedded``: called with each deferred call's lowered computation, the
-    inputs it was embedded with (in its parameters' order), its results and
-    the graph's outputs (those results, or constants), before any input is
-    written back, and for a backward after a zero-filled ``.grad`` was set
-    aside (the caller may record the call, e.g. to fold the calls of several
-    micro-batches into one loop).
+    ``on_embedded``: called with each deferred call (:class:`Embedded`),
+    before any input is written back, and for a backward after a zero-filled
+    ``.grad`` was set aside (the caller may record the call, e.g. to fold the
+    calls of several micro-batches into one loop).
 
     ``validate``: compile a new lowering whose inputs mix floating-point
     dtypes on its own at its first call (see :meth:`_validate`), for deferred
@@ -144,7 +159,7 @@ class DeferredGraph:
         kind: str = "forward",
         on_pending: Callable[[list[torch.Tensor]], None] = keep_pending,
         before_update: Callable[[Sequence[torch.Tensor]], None] = write_over,
-        on_embedded: Callable[[Any, Sequence[Any], Sequence[torch.Tensor], Sequence[Any]], None] = forget_call,
+        on_embedded: Callable[[Embedded], None] = forget_call,
         upstream_reason: Callable[[], Optional[str]] = eager_mode_reason,
         unfused_effect: str = UNFUSED_FORWARD,
         validate: bool = False,
@@ -213,10 +228,12 @@ class DeferredGraph:
                 args.clear()
                 if self.kind == "backward":
                     grad_sync.store_like_a_first_gradient(outs)
-                self.on_embedded(lowered.computation, inputs, pending, outs)
-                del inputs
                 if self._split:
                     outs = self._split.merge(outs, host)
+                self.on_embedded(Embedded(
+                    lowered.computation, inputs, pending, outs, tuple(zip(targets, outs[len(outs) - len(targets):])),
+                ))
+                del inputs
                 self.before_update(targets)
                 _write_back(targets, outs[len(outs) - len(targets):], in_place=True)
                 self.on_pending(pending)

@@ -171,17 +171,15 @@ class _Pair:
         self.launches_at_forward = _launches()
         self.forward_outputs = [weakref.ref(t) for t in pending]
 
-    def forward_embedded(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
-                         outs: Sequence[Any]) -> None:
+    def forward_embedded(self, call: deferred.Embedded) -> None:
         """``on_embedded`` of the forward: recorded for folding (not where it executes on its own)."""
         if self.unfused_reason is None:
-            _current_step().accumulation.record_forward(computation, inputs, results, outs)
+            _current_step().accumulation.record_forward(call)
 
-    def backward_embedded(self, computation: Any, inputs: Sequence[Any], results: Sequence[torch.Tensor],
-                          outs: Sequence[Any]) -> None:
+    def backward_embedded(self, call: deferred.Embedded) -> None:
         """``on_embedded`` of the backward: recorded for folding, as its forward was."""
         if self.unfused_reason is None:
-            _current_step().accumulation.record_backward(computation, inputs, results, outs)
+            _current_step().accumulation.record_backward(call)
 
     def before_backward(self) -> None:
         if self.forward_was_read():
