@@ -79,9 +79,8 @@ class _Update:
 class _Call:
     """One embedded call: its computation, its inputs from outside (None where wired) and results (weakly).
 
-    ``handles``: per outside input, what says its value is another's:
-    ``(_DATA, its device-data handle)``, ``(_CONSTANT, its graph hash)`` for
-    pending IR made of constants only (a mask created per call), else None. ``leaves``: for a backward, per result, the leaf whose
+    ``handles``: per outside input, its value key (see :func:`_pending_key`):
+    inputs with one key in every micro-batch are passed to the loop once. ``leaves``: for a backward, per result, the leaf whose
     ``.grad`` the engine accumulates it into (None: none).
     """
 
@@ -201,7 +200,7 @@ class Accumulation:
         written = {id(target) for target, _ in call.written}
         self.current.append(_Call(
             call.computation, outside, tuple(wires),
-            tuple((_constant_key(t) if t is not None and id(t) not in written else None) if p else next(handles)
+            tuple(None if t is None else next(handles) if not p else _pending_key(t, walk=id(t) not in written)
                   for t, p in zip(outside, is_pending)),
             [WeakIdRef(r) for r in call.results], leaves is not None, leaves or (), _updates(call, outside),
         ))
@@ -293,16 +292,19 @@ class _Left:
         return grad is not None and self.value == _private.tensor_id(grad)
 
 
-# Kinds of value keys in _Call.handles.
-_DATA, _CONSTANT = 0, 1
+# Kinds of value keys in _Call.handles: device data (its handle), constants (their graph hash), a lazy
+# tensor (its id). Two inputs with one key hold one value.
+_DATA, _CONSTANT, _LAZY = 0, 1, 2
 
 
-def _constant_key(t: torch.Tensor) -> Optional[tuple[int, Any]]:
-    """``(_CONSTANT, graph hash)`` for a pending tensor whose IR is made of constants only (two such with one
-    hash hold the same value), else None. Its IR is walked: inputs from outside are small graphs."""
-    if _private.device_data_nodes([t])[0]:
-        return None
-    return _CONSTANT, _private.graph_hash([t])
+def _pending_key(t: torch.Tensor, walk: bool) -> tuple[int, Any]:
+    """The value key of a pending input: ``(_CONSTANT, graph hash)`` where its IR is made of constants only
+    (a mask created per call: another tensor, the same value), else ``(_LAZY, its lazy tensor's id)`` (the
+    same tensor, unchanged: a per-step value computed once, as Trainer's ``num_items_in_batch``). ``walk``:
+    whether its IR may be walked (inputs from outside are small graphs; state updated in place is not)."""
+    if walk and not _private.device_data_nodes([t])[0]:
+        return _CONSTANT, _private.graph_hash([t])
+    return _LAZY, _private.tensor_id(t)
 
 
 def _updates(call: Embedded, outside: Sequence[Optional[torch.Tensor]]) -> dict[int, _Update]:
@@ -395,7 +397,7 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
             if call.backward and any(h is not None and h[0] == _DATA for h in handles):
                 # Its forward executed on its own (it was said why): nothing of a loop to gain.
                 return "a backward graph's saved activations were computed outside this backend's forward graphs", False
-            if handles[-1] is None and _computed_from_calls(column[-1]):
+            if handles[-1][0] == _LAZY and _computed_from_calls(column[-1]):
                 return (f"an input of a compiled {'backward' if call.backward else 'forward'} graph is computed "
                         f"outside the compiled graphs from a micro-batch's results (e.g. a loss computed eagerly "
                         f"from the compiled model's output: compile the loss with the model to fold)"), True
