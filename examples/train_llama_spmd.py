@@ -148,14 +148,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                            "mesh": list(mesh.mesh_shape), "losses": [], "executions": [], "compiled": [], "lr": [], "step_s": []}
     for step in range(args.steps):
         before, start = executions(), time.perf_counter()
-        total = torch.zeros((), device=torch_xla.device())
+        # Each micro-batch's loss is kept as the model returned it and summed after the step: a sum
+        # taken lazily inside the loop (`total += loss.detach()`) would keep every micro-batch's
+        # forward in the fused step's program beside the loop it folds them into (docs/fused_step.md).
+        losses = []
         for _ in range(args.accum):
             ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(torch_xla.device())
             xs.mark_sharding(ids, mesh, ("fsdp", None))
             with torch.autocast("xla", dtype=torch.bfloat16, enabled=args.bf16):
-                loss = forward(input_ids=ids, labels=ids).loss / args.accum
-            loss.backward()
-            total = total + loss.detach()
+                loss = forward(input_ids=ids, labels=ids).loss
+            (loss / args.accum).backward()
+            losses.append(loss)
         out["lr"].append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
@@ -164,7 +167,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         out["executions"].append(executions() - before)
         out["step_s"].append(time.perf_counter() - start)  # the first steps include compiling
         out["compiled"].append(compiled())
-        out["losses"].append(total.item())  # after the step's executions were counted: a read runs nothing more
+        # After the step's executions were counted: reading the losses, device data now, runs nothing more.
+        out["losses"].append(sum(loss.item() for loss in losses) / args.accum)
         print(f"step {step + 1}: loss {out['losses'][-1]:.5f}, lr {out['lr'][-1]:.2e}, {out['step_s'][-1]:.2f} s, "
               f"{out['executions'][-1]} executions, compiled so far {out['compiled'][-1]}", flush=True)
     return out
