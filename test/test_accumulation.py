@@ -313,3 +313,27 @@ def test_hugging_face_trainer_folds_its_gradient_accumulation(monkeypatch: pytes
     # measured 1.2e-7 at most on parameters of magnitude up to 1 (bitwise on the MLP above).
     for a, b in zip(params, reference):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_gradient_norm_kept_lazily_inside_the_loop_is_right() -> None:
+    """A per-micro-batch ``p.grad.norm()`` kept unread until after the step reads the loop as it was at its
+    micro-batch (docs/fused_step.md: the program then computes the loop up to each): the norms are those of
+    eager CPU, still one execution per step."""
+    cpu = _model()
+    run = _Run(copy.deepcopy(cpu).to(torch_xla.device()))
+    model = run.model
+    kept: list[torch.Tensor] = []
+    data = [_batches(3, seed=s) for s in range(3)]
+    for batches in data:
+        run.step(batches, inside=lambda: kept.append(model[0].weight.grad.norm()))
+    assert run.executions[1:] == [1, 1]
+    got = [t.item() for t in kept]
+    opt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for batches in data:
+        for x, y in batches:
+            (F.cross_entropy(cpu(x), y) / len(batches)).backward()
+            want.append(cpu[0].weight.grad.norm().item())
+        opt.step()
+        opt.zero_grad()
+    assert got == pytest.approx(want, rel=1e-5)
