@@ -96,6 +96,19 @@ def _eager_cpu(model: nn.Module, steps: list[list[tuple[torch.Tensor, ...]]]) ->
     return losses, model
 
 
+def _eager_cpu_grad_norms(model: nn.Module, steps: list[list[tuple[torch.Tensor, ...]]]) -> list[float]:
+    """The first layer's ``.grad`` norm after each micro-batch, training ``model`` on the CPU as ``_Run`` does."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for batches in steps:
+        for x, y in batches:
+            (F.cross_entropy(model(x), y) / len(batches)).backward()
+            norms.append(model[0].weight.grad.norm().item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
 def _assert_trains_like_eager_cpu(run: _Run, cpu: nn.Module, data: list[list[tuple[torch.Tensor, ...]]],
                                    losses: list[list[float]], atol: float = 1e-6) -> None:
     """Losses, parameters and buffers of ``run`` against eager CPU's on the same steps (``cpu`` trains here)."""
@@ -244,15 +257,7 @@ def test_a_read_inside_the_loop_starts_a_new_group() -> None:
     with pytest.warns(UserWarning, match="forward executes on its own"):  # the read, as without folding
         for batches in data:
             run.step(batches, inside=lambda: norms.append(model[0].weight.grad.norm().item()))
-    opt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
-    want = []
-    for batches in data:
-        for x, y in batches:
-            (F.cross_entropy(cpu(x), y) / len(batches)).backward()
-            want.append(cpu[0].weight.grad.norm().item())
-        opt.step()
-        opt.zero_grad()
-    assert norms == pytest.approx(want, rel=1e-5)
+    assert norms == pytest.approx(_eager_cpu_grad_norms(cpu, data), rel=1e-5)
     for p, q in zip(model.parameters(), cpu.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=0, atol=1e-6)
 
@@ -327,13 +332,4 @@ def test_a_gradient_norm_kept_lazily_inside_the_loop_is_right() -> None:
     for batches in data:
         run.step(batches, inside=lambda: kept.append(model[0].weight.grad.norm()))
     assert run.executions[1:] == [1, 1]
-    got = [t.item() for t in kept]
-    opt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
-    want = []
-    for batches in data:
-        for x, y in batches:
-            (F.cross_entropy(cpu(x), y) / len(batches)).backward()
-            want.append(cpu[0].weight.grad.norm().item())
-        opt.step()
-        opt.zero_grad()
-    assert got == pytest.approx(want, rel=1e-5)
+    assert [t.item() for t in kept] == pytest.approx(_eager_cpu_grad_norms(cpu, data), rel=1e-5)

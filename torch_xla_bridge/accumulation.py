@@ -12,7 +12,7 @@ its results weakly), and at the end of every backward pass from the second
 micro-batch on, the micro-batches so far are folded: one While loop whose body
 calls the same computations once, on the inputs that differ between
 micro-batches stacked along a new first dimension (sliced per iteration), the
-inputs that are the same tensor with the same data passed once, and a
+inputs with one value in every micro-batch passed once, and a
 backward's inputs that are results of the micro-batch's own calls wired
 inside the body. Every ``.grad`` the backward accumulated into then takes the
 loop's sum, computed as the engine computes it (``.grad`` before the first
@@ -100,9 +100,9 @@ class _Call:
         return (id(self.computation), self.wires, tuple(id(leaf) if leaf is not None else None for leaf in self.leaves))
 
 
-# Per leaf (by id): the leaf, and its ``.grad`` before a group's first micro-batch (None: the engine
-# stored that micro-batch's gradient as it is).
-_Starts = dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]
+# Per leaf (by id): its ``.grad`` before a group's first micro-batch (None: the engine stored that
+# micro-batch's gradient as it is).
+_Starts = dict[int, Optional[torch.Tensor]]
 
 
 class _Group:
@@ -171,7 +171,7 @@ class Accumulation:
         if self._starts is not None:
             for leaf in leaves:
                 if leaf is not None and id(leaf) not in self._starts:
-                    self._starts[id(leaf)] = (leaf, _value_of(leaf.grad))
+                    self._starts[id(leaf)] = _value_of(leaf.grad)
         if self._queued_task != task:
             self._queued_task = task
             _private.queue_engine_callback(self.end_of_backward)
@@ -314,22 +314,22 @@ def _updates(call: Embedded, outside: Sequence[Optional[torch.Tensor]]) -> dict[
         return {}
     results = {id(r): m for m, r in enumerate(call.results)}
     updates = {}
-    with torch.no_grad():
-        for target, value in call.written:
-            positions = [j for j, t in enumerate(outside) if t is target]
-            if len(positions) == 1 and id(value) in results:
-                updates[positions[0]] = _Update(
-                    results[id(value)], _private.tensor_id(target), _private.tensor_id(value), target.detach().clone(),
-                )
+    for target, value in call.written:
+        positions = [j for j, t in enumerate(outside) if t is target]
+        if len(positions) == 1 and id(value) in results:
+            updates[positions[0]] = _Update(
+                results[id(value)], _private.tensor_id(target), _private.tensor_id(value), _value_of(target),
+            )
     return updates
 
 
-def _value_of(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``.grad`` as it is now: a tensor on its current value, which later in-place updates leave alone."""
-    if grad is None:
+def _value_of(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` as it is now (a ``.grad``, state a call updates): a tensor on its current value, which later
+    in-place updates of ``t`` leave alone (a new lazy tensor on the same data or IR: no op, no copy)."""
+    if t is None:
         return None
     with torch.no_grad():
-        return grad.detach().clone()
+        return t.detach().clone()
 
 
 @functools.cache
@@ -416,7 +416,7 @@ def _fold(group: _Group) -> Optional[tuple[str, bool]]:
     if not sums:
         return "no gradient of the micro-batches accumulates into a leaf's .grad", False
     order = list(sums)
-    starts = [group.starts.get(key, (leaves[key], None))[1] for key in order]
+    starts = [group.starts.get(key) for key in order]
     # Forward results alive now, of any micro-batch of the group: given out by the loop.
     given: list[tuple[int, int, bool]] = []
     alive: list[list[tuple[int, torch.Tensor]]] = []
