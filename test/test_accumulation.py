@@ -14,7 +14,10 @@ read inside the loop) correct, with the warning that names why where one is due.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import pathlib
 import re
+import types
 import warnings
 from typing import Callable, Optional
 
@@ -279,20 +282,23 @@ def test_explain_says_whether_the_micro_batches_were_folded() -> None:
     assert len(details[True]) == 1 and "micro-batches not folded into one loop" in details[True][0]
 
 
+def _example(name: str) -> types.ModuleType:
+    """examples/NAME.py, loaded as a module."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_hugging_face_trainer_folds_its_gradient_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Trainer(gradient_accumulation_steps=4)`` with the model compiled by openxla_fused_step
     (examples/train_hf_trainer.py): 3 folds per optimizer step, the losses Trainer computes those of the same
     run with nothing folded (the first step's exactly), and the trained parameters within float rounding."""
     pytest.importorskip("transformers")
-    import importlib.util
-    import pathlib
-
     from transformers import Trainer
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_hf_trainer.py"
-    spec = importlib.util.spec_from_file_location("train_hf_trainer", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("train_hf_trainer")
     runs = {}
     for fold in (True, False):
         if not fold:
@@ -346,13 +352,7 @@ def test_accelerate_accumulate_folds_when_a_steps_batches_are_taken_first(monkey
     same in both runs, up to the loop's rounding."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_accelerate.py"
-    spec = importlib.util.spec_from_file_location("train_accelerate", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("train_accelerate")
     runs = {}
     for prefetch in (True, False):
         torch._dynamo.reset()

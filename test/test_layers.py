@@ -10,20 +10,21 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torch_xla_bridge"
 # Each module, and the package modules it may import (at module level or inside a function).
 ALLOWED = {
     "backend": {
-        "fused_step", "accumulation", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "spmd_tracing",
-        "grad_sync", "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
+        "fused_step", "accumulation", "rollback", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback",
+        "spmd_tracing", "grad_sync", "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
     },
     "fused_step": {
-        "accumulation", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync", "in_flight",
-        "counting", "_private", "names",
+        "accumulation", "rollback", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync",
+        "in_flight", "counting", "_private", "names",
     },
     "accumulation": {"deferred", "grad_sync", "counting", "_private", "names"},
+    "rollback": {"grad_sync", "counting", "_private", "names"},
     "deferred": {"grad_sync", "host_scalars", "counting", "_private", "names"},
     "dynamo_bridge": {"grad_sync", "_private", "names"},
-    "optimizer_sync": {"dynamo_fallback", "grad_sync", "in_flight", "counting", "_private", "names"},
+    "optimizer_sync": {"dynamo_fallback", "grad_sync", "in_flight", "rollback", "counting", "_private", "names"},
     "dynamo_fallback": {"grad_sync", "counting", "_private", "names"},
     "spmd_tracing": {"_private", "names"},
-    "grad_sync": {"_private", "names"},
+    "grad_sync": {"counting", "_private", "names"},
     "in_flight": {"_private", "names"},
     "host_scalars": set(),
     "decompositions": set(),

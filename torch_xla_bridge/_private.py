@@ -98,6 +98,15 @@ def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def restore_value(dst: torch.Tensor, inner: torch.Tensor) -> None:
+    """``dst`` takes back ``inner``, a value it held before (:func:`inner_value`), as if never written since."""
+    if _is_functional(dst):
+        _functionalize_replace(dst, inner)
+        _functionalize_commit_update(dst)
+    else:
+        dst.copy_(inner)
+
+
 def settle(tensors: Sequence[torch.Tensor]) -> None:
     """Applies the value each of ``tensors`` took (:func:`take_value`) to its functional storage now, so
     the lazy tensor it held before is released (until then the storage keeps it as its base, and a step
@@ -368,6 +377,14 @@ else:
         if _attribute not in _upstream_bridge.GraphInputMatcher.__init__.__code__.co_names:
             raise _missing("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__,
                            f"GraphInputMatcher sets no {_attribute}")
+
+    def rng_seed() -> int:
+        """The default device's RNG seed now (host side: reading it runs nothing)."""
+        return _get_rng_seed()
+
+    def set_rng_seed(seed: int) -> None:
+        """Sets the default device's RNG seed (as ``xm.set_rng_state``)."""
+        _xm.set_rng_state(seed)
 
     def advance_rng_seed(device: str) -> None:
         """Advances the device's RNG seed as a step barrier does (and as upstream's bridge does per call).

@@ -17,7 +17,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 from . import _private
-from .names import COMPILE_COUNTERS, EXECUTE_METRICS, VALIDATION_COUNTER
+from .names import COMPILE_COUNTERS, EXECUTE_METRICS, FRESH_STATE_COUNTER, VALIDATION_COUNTER
 
 
 def counter(name: str) -> int:
@@ -52,6 +52,12 @@ def launches() -> int:
     nothing and are not counted.
     """
     return sum(counter(c) for c in COMPILE_COUNTERS) - counter(VALIDATION_COUNTER)
+
+
+def step_launches() -> int:
+    """:func:`launches`, less openxla_fused_step's syncs of fresh optimizer state and buffers
+    (:data:`~torch_xla_bridge.names.FRESH_STATE_COUNTER`), which read and donate nothing of a step."""
+    return launches() - counter(FRESH_STATE_COUNTER)
 
 
 def fallback_counts() -> dict[str, int]:

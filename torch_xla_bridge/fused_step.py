@@ -46,6 +46,7 @@ materializes the forward's outputs and costs nothing twice: it is not such a rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 import weakref
@@ -57,7 +58,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, accumulation, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, in_flight, optimizer_sync
+from . import (_private, accumulation, counting, deferred, dynamo_bridge, dynamo_fallback, grad_sync, in_flight,
+               optimizer_sync, rollback)
 from .deferred import DeferredGraph
 from .dynamo_bridge import boxed
 from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME, STEP_COUNTER
@@ -76,15 +78,27 @@ def end_step() -> None:
         log.debug("inside torch_xla.compile(full_graph=True): the step is cut by its sync when the function returns")
         return
     counting.bump(STEP_COUNTER)
+    step = next(iter(_open), None)
     # The cut can come from inside a user's profiler trace (xp.Trace around the step):
     # keep its IR scope, as upstream's bridge never resets one.
-    torch_xla.sync(reset_scope=False)
+    if step is None:
+        torch_xla.sync(reset_scope=False)
+    else:
+        rollback.guarded(lambda: torch_xla.sync(reset_scope=False), step.rollback.written,
+                         functools.partial(_refused, step))
 
 
-def _launches() -> int:
-    """Executions launched so far, less this backend's fresh-state syncs (see
-    :class:`_FreshState`), which read nothing of a step."""
-    return counting.launches() - counting.counter(FRESH_STATE_COUNTER)
+def _refused(step: "_Step", error: RuntimeError, launches: int, compiled: bool) -> None:
+    """XLA refused ``step`` (made after ``launches`` launches) before running it: what the step wrote takes
+    back its value from before the step, so that no read or later step runs it again, and the error says
+    so. Where the program never compiled, the step's other results are dropped too
+    (:func:`rollback.drop_refused_outputs`)."""
+    _open.discard(step)
+    lost = step.abandon(launches)
+    if not compiled:
+        dropped = rollback.drop_refused_outputs()
+        log.debug("refused step: %d of its results still alive dropped", dropped)
+    raise rollback.refused_step_error(error, STEP_BACKEND_NAME, step.rollback.kept(), lost) from error
 
 
 @dataclasses.dataclass
@@ -120,7 +134,7 @@ class _Pair:
 
     def forward_was_read(self) -> bool:
         """At the backward: an execution since the forward left some of its outputs pending."""
-        if self.launches_at_forward is None or _launches() == self.launches_at_forward:
+        if self.launches_at_forward is None or counting.step_launches() == self.launches_at_forward:
             return False
         alive = [t for t in (r() for r in self.forward_outputs) if t is not None]
         # A step cut materializes every live output; a read materializes only what it reads.
@@ -128,13 +142,13 @@ class _Pair:
 
     def at_step_end(self) -> None:
         """At the step's cut: the cut is one execution; any other since the backward was a read."""
-        if self.launches_at_backward is not None and _launches() - self.launches_at_backward > 1:
+        if self.launches_at_backward is not None and counting.step_launches() - self.launches_at_backward > 1:
             self.unfuse("a value was read (an XLA execution ran) between its backward and the end of the step")
         self.launches_at_backward = None
 
     def check_uncut_step(self) -> None:
         """At the next forward: the previous step ran, but was never cut (no step closure ran)."""
-        if self.launches_at_backward is not None and _launches() > self.launches_at_backward:
+        if self.launches_at_backward is not None and counting.step_launches() > self.launches_at_backward:
             self.unfuse(
                 "the step after its backward was executed by something other than torch_xla.sync() or a "
                 "graph of this backend (e.g. an optimizer compiled with another backend, or a read)"
@@ -149,6 +163,8 @@ class _Pair:
             log.debug("parameters hold pending updates at a forward: syncing the previous step first")
             end_step()
         self.check_uncut_step()
+        # Before the step's first backward writes any .grad (and the forward draws a seed).
+        _current_step().rollback.grads(a for a in args if isinstance(a, torch.Tensor))
 
     def forward_pending(self, pending: list[torch.Tensor]) -> None:
         """``on_pending`` of the forward: join the step, or (unfused) execute at once.
@@ -168,7 +184,7 @@ class _Pair:
             grad_sync.sync(pending, fresh=True)
             return
         _current_step().forwards[id(self)] = self
-        self.launches_at_forward = _launches()
+        self.launches_at_forward = counting.step_launches()
         self.forward_outputs = [weakref.ref(t) for t in pending]
 
     def forward_embedded(self, call: deferred.Embedded) -> None:
@@ -190,7 +206,7 @@ class _Pair:
     def after_backward(self) -> None:
         """The step's first backward of this pair: watch for reads until the cut."""
         if self.unfused_reason is None and self.launches_at_backward is None:
-            self.launches_at_backward = _launches()
+            self.launches_at_backward = counting.step_launches()
             _current_step().pairs[id(self)] = self
 
 
@@ -205,7 +221,7 @@ class _Step:
     :func:`_open_step` closes it, so that it draws no later no-backward graph in.
     """
 
-    __slots__ = ("pairs", "forwards", "joined", "accumulation", "__weakref__")
+    __slots__ = ("pairs", "forwards", "joined", "accumulation", "rollback", "__weakref__")
 
     def __init__(self) -> None:
         # Pairs whose backward joined this step, by identity.
@@ -217,6 +233,8 @@ class _Step:
         self.joined: list[weakref.ref[torch.Tensor]] = []
         # Its embedded calls by micro-batch; alike micro-batches are folded into one loop.
         self.accumulation = accumulation.Accumulation()
+        # The values its writes replace, put back if XLA refuses it.
+        self.rollback = rollback.Record()
 
     def join(self, pending: Sequence[torch.Tensor]) -> None:
         self.joined.extend(weakref.ref(t) for t in pending)
@@ -236,6 +254,14 @@ class _Step:
     def at_step_end(self) -> None:
         for pair in self.pairs.values():
             pair.at_step_end()
+
+    def abandon(self, launches: int) -> list[str]:
+        """XLA refused this step's cut, made after ``launches`` launches: its writes are undone
+        (:meth:`rollback.Record.restore`), and its pairs watch no more for reads in it. Returns what
+        could not be put back."""
+        for pair in self.pairs.values():
+            pair.launches_at_backward = None
+        return self.rollback.restore(launches)
 
 
 # The pending step, if any (at most one member; see _Step).
@@ -305,6 +331,9 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
         _private.at_trace_time(_create_momentum_buffers_at_trace_time)
         return
     _finish_accumulation()
+    step = _open_step()
+    if step is not None:
+        step.rollback.optimizer(optimizer)
     _create_state(optimizer)
     if _open_step() is not None or dynamo_fallback.trained_with(optimizer) == STEP_BACKEND_NAME:
         in_flight.keep_optimizer_update(optimizer)
@@ -460,6 +489,13 @@ def _materialize_constant(tensors: Sequence[torch.Tensor]) -> None:
         grad_sync.sync(constants)
 
 
+def _before_update(targets: Sequence[torch.Tensor]) -> None:
+    """``before_update`` of this backend's graphs: the buffers the step donates are held past its launch
+    (:mod:`.in_flight`), and the values they replace kept in case XLA refuses the step (:mod:`.rollback`)."""
+    in_flight.keep(targets)
+    _current_step().rollback.values(targets, "state written in place")
+
+
 def _end_step_then(pending: list[torch.Tensor]) -> None:
     """``on_pending`` of a graph that updates its inputs: its work is part of the step, which it ends."""
     end_step()
@@ -504,7 +540,7 @@ def compilers() -> dict[str, deferred.Compiler]:
         fresh_state = _FreshState(updated)
         graph = DeferredGraph(
             gm, example_inputs, backend=STEP_BACKEND_NAME, upstream_compiler=dynamo_bridge.compile_upstream,
-            on_pending=pair.forward_pending, before_update=in_flight.keep, on_embedded=pair.forward_embedded,
+            on_pending=pair.forward_pending, before_update=_before_update, on_embedded=pair.forward_embedded,
             validate=True,
             unfused_effect="it executes on its own; backward, accumulation and optimizer stay fused",
         )
@@ -541,7 +577,7 @@ def compilers() -> dict[str, deferred.Compiler]:
                       unfused_effect="the step is synced before it, and it executes on its own")
         updated = deferred.updated_inputs()
         if deferred.updates_inputs(updated):
-            update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, before_update=in_flight.keep,
+            update = DeferredGraph(gm, example_inputs, on_pending=_end_step_then, before_update=_before_update,
                                    **common)
             fresh_state = _FreshState(updated, optimizer_step=True)
 

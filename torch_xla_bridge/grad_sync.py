@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch_xla.runtime as xr
@@ -34,17 +34,21 @@ import torch_xla.runtime as xr
 from . import _private
 from .names import SYNC_COUNTER
 
+# Runs a sync (the callable) of the tensors given, watching it: see sync_at_end_of_backward.
+Guard = Callable[[Callable[[], None], list[torch.Tensor]], None]
+
 log = logging.getLogger(__name__)
 
 
 class _BackwardPass:
     """What one backward pass deferred: nodes whose leaves' ``.grad`` to sync, outputs not to recompute."""
 
-    __slots__ = ("nodes", "outputs", "__weakref__")
+    __slots__ = ("nodes", "outputs", "guard", "__weakref__")
 
     def __init__(self) -> None:
         self.nodes: list[torch.autograd.graph.Node] = []
         self.outputs: list[weakref.ref[torch.Tensor]] = []
+        self.guard: Optional[Guard] = None
 
     def add(self, node: Optional[torch.autograd.graph.Node], outputs: Sequence[torch.Tensor]) -> None:
         if node is not None:
@@ -79,7 +83,10 @@ class _BackwardPass:
         _private.increment_counter(SYNC_COUNTER, 1)
         # Asynchronous: the host goes on tracing (the optimizer, the next step)
         # while the device runs backward + accumulation; readers wait as usual.
-        sync(tensors)
+        if self.guard is None:
+            sync(tensors)
+        else:
+            self.guard(lambda: sync(tensors), tensors)
 
 
 def sync(tensors: Sequence[torch.Tensor], *, wait: bool = False, fresh: bool = False) -> None:
@@ -134,12 +141,13 @@ def keep_param_shardings(leaves: Sequence[tuple[torch.Tensor, torch.Tensor]]) ->
 _passes: weakref.WeakValueDictionary[int, _BackwardPass] = weakref.WeakValueDictionary()
 
 
-def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
+def sync_at_end_of_backward(outputs: Sequence[torch.Tensor], guard: Optional[Guard] = None) -> None:
     """Defers materializing ``outputs`` and the current node's leaves' ``.grad`` to the end of the pass.
 
     Called from a deferred backward graph while the engine runs its node.
     Outside an autograd engine pass (nothing to wait for) the outputs are
-    synced at once.
+    synced at once. ``guard``: runs the pass's sync (the callable it is given)
+    and may watch it, given the tensors it syncs (whether XLA refuses it).
     """
     task_id = _private.current_graph_task_id()
     if task_id < 0:
@@ -151,6 +159,8 @@ def sync_at_end_of_backward(outputs: Sequence[torch.Tensor]) -> None:
         _passes[task_id] = state
         _private.queue_engine_callback(state.end_of_backward)
     state.add(_private.current_autograd_node(), outputs)
+    if guard is not None:
+        state.guard = guard
 
 
 def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
@@ -189,7 +199,7 @@ def store_like_a_first_gradient(grads: Sequence[Any]) -> None:
     filled = [fn for fn, is_pending in zip(filled, pending) if is_pending]
     held = [fn.variable.grad for fn in filled]
     set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for fn, grad, zero_fill in zip(filled, held, _zero_fills(held)):
+    for fn, grad, zero_fill in zip(filled, held, zero_fills(held)):
         if not zero_fill:
             continue
         try:
@@ -220,7 +230,7 @@ def _give_back(set_aside: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 leaf.grad = held
 
 
-def _zero_fills(grads: list[torch.Tensor]) -> list[bool]:
+def zero_fills(grads: list[torch.Tensor]) -> list[bool]:
     """Which of the pending ``grads`` hold exactly the zero fill ``zero_()`` leaves (constants only, same graph).
 
     All at once first: the hash of their joint IR against fresh zeros' of the
@@ -247,7 +257,7 @@ def _zero_fills_hash(shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...], de
 
 
 def _is_zero_fill(grad: torch.Tensor) -> bool:
-    """``grad``'s pending IR is the zero fill ``zero_()`` leaves; its IR root is compared first (see _zero_fills)."""
+    """``grad``'s pending IR is the zero fill ``zero_()`` leaves; its IR root is compared first (see zero_fills)."""
     shape, dtype, device = tuple(grad.shape), grad.dtype, str(grad.device)
     root, graph = _zero_fill(shape, dtype, device)
     if _private.ir_root(grad) != root or _private.device_data_nodes([grad])[0]:

@@ -35,7 +35,8 @@ VALIDATION_COUNTER = "OpenxlaFusedValidationCompile"
 
 # torch_xla's own counters and metrics that the package reads, or bumps as upstream does:
 INPUT_SYNC_COUNTER = "DynamoSyncInputExecuteTime"  # a graph's pending inputs synced before it runs
-COMPILE_COUNTERS = ("UncachedCompile", "CachedCompile")  # one per sync of a non-empty graph
+UNCACHED_COMPILE_COUNTER = "UncachedCompile"  # a sync that compiled a new program
+COMPILE_COUNTERS = (UNCACHED_COMPILE_COUNTER, "CachedCompile")  # one per sync of a non-empty graph
 # Executions: single-device programs, and (under SPMD) replicated ones.
 EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
 

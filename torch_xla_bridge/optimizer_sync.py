@@ -58,7 +58,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _private, counting, dynamo_fallback, grad_sync, in_flight
+from . import _private, counting, dynamo_fallback, grad_sync, in_flight, rollback
 from .names import BACKEND_NAME, OPTIMIZER_SYNC_COUNTER
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,22 @@ class _Trained:
     until then, and nothing of it outlives the step.
     """
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("rollback", "__weakref__")
+
+    def __init__(self) -> None:
+        # What the step's backward syncs and its optimizer barrier write, put back if XLA refuses either.
+        # Not the RNG seed: the step's forward drew from it before the first backward.
+        self.rollback = rollback.Record(rng=False)
 
     def at_barrier(self) -> None:
         """The step closure: nothing to do, being dropped is the point."""
+
+    def refused(self, error: RuntimeError, launches: int, compiled: bool) -> None:
+        """XLA refused the step's backward or barrier (made after ``launches`` launches, compiled or not):
+        what they wrote takes back its value from before, the step is over, and the error says so."""
+        _since_barrier.discard(self)
+        lost = self.rollback.restore(launches)
+        raise rollback.refused_step_error(error, BACKEND_NAME, self.rollback.kept(), lost) from error
 
 
 # The marker of the current step, if any (at most one member; see _Trained).
@@ -97,14 +109,26 @@ def update_pending(optimizer: torch.optim.Optimizer) -> bool:
     return False
 
 
+def _marker() -> _Trained:
+    """The current step's marker, made (its step closure queued) if there is none."""
+    for marker in _since_barrier:
+        return marker
+    marker = _Trained()
+    _since_barrier.add(marker)
+    xm.add_step_closure(marker.at_barrier)
+    return marker
+
+
 def backward_deferred(outputs: Sequence[torch.Tensor]) -> None:
-    """``on_pending`` of a deferred backward: :func:`grad_sync.sync_at_end_of_backward`, with the step marked."""
-    if not _since_barrier:
-        marker = _Trained()
-        _since_barrier.add(marker)
-        xm.add_step_closure(marker.at_barrier)
+    """``on_pending`` of a deferred backward: :func:`grad_sync.sync_at_end_of_backward`, with the step marked
+    and the ``.grad`` its leaves hold before it kept (the engine has not accumulated into them yet)."""
+    marker = _marker()
     register_hook()
-    grad_sync.sync_at_end_of_backward(outputs)
+    node = _private.current_autograd_node()
+    if node is not None:
+        marker.rollback.grads(fn.variable for fn, _ in node.next_functions if type(fn) is _private.AccumulateGrad)
+    grad_sync.sync_at_end_of_backward(
+        outputs, guard=lambda sync, tensors: rollback.guarded(sync, lambda: tensors, marker.refused))
 
 
 @torch._dynamo.disable
@@ -120,8 +144,12 @@ def _barrier_after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, k
         return
     log.debug("optimizer step ended with its update pending: syncing the step")
     counting.bump(OPTIMIZER_SYNC_COUNTER)
+    marker = next(iter(_since_barrier), None)
     # Keep a user's profiler scope (xp.Trace around the step), as upstream's bridge does.
-    torch_xla.sync(reset_scope=False)
+    if marker is None:
+        torch_xla.sync(reset_scope=False)
+    else:
+        rollback.guarded(lambda: torch_xla.sync(reset_scope=False), marker.rollback.written, marker.refused)
 
 
 def _keep_before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -132,6 +160,9 @@ def _keep_before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwa
         return
     if _since_barrier or dynamo_fallback.trained_with(optimizer) == BACKEND_NAME:
         in_flight.keep_optimizer_update(optimizer)
+        marker = next(iter(_since_barrier), None)
+        if marker is not None:
+            marker.rollback.optimizer(optimizer)
 
 
 _hook: Optional[torch.utils.hooks.RemovableHandle] = None
