@@ -35,7 +35,8 @@ setup(
         # accelerate 1.16.0 (Trainer runs on it): requires torch>=2.0, so it keeps torch 2.9.0.
         # yapf: upstream/make_patch.py formats the pytorch/xla series with upstream's pinned yapf;
         # expecttest: pytorch/xla's test/dynamo/test_bridge.py (upstream/run_upstream_suite.py).
-        "test": ["pytest", "torchvision==0.24.0", "transformers==4.57.6", "accelerate==1.16.0", "rich==15.0.0",
+        # pytest-xdist: scripts/test.sh runs the test files in parallel.
+        "test": ["pytest", "pytest-xdist==3.8.0", "torchvision==0.24.0", "transformers==4.57.6", "accelerate==1.16.0", "rich==15.0.0",
                  "yapf==0.40.2", "expecttest==0.3.0"],
         # Regenerating upstream/*.patch and running pytorch/xla's own test/dynamo suite against it.
         "upstream": ["yapf==0.40.2", "expecttest==0.3.0", "torchvision==0.24.0"],

@@ -63,3 +63,25 @@ def test_mkdocs_build_strict(tmp_path):
                  "benchmarks/results/index.html", "frameworks/index.html", "frameworks/trainer/index.html",
                  "frameworks/accelerate/index.html", "frameworks/plain-loop/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
+
+
+# The README's timed rows for the test command: "N minutes for M tests" (whole suite, then the quick tier).
+_TIMED = re.compile(r"^\| `bash scripts/test\.sh( -m quick)?` \| ([\d.]+) minutes for (\d+) tests", re.M)
+
+
+def test_readme_test_times_are_for_the_suite_as_it_is():
+    """The README's times for the whole suite and the quick tier were taken on (within 10% of) as many tests
+    as there are now: a suite that grew or shrank more than that must be timed again."""
+    from conftest import QUICK
+
+    timed = {bool(quick): int(count) for quick, _, count in _TIMED.findall((ROOT / "README.md").read_text())}
+    assert set(timed) == {False, True}, "README.md has no 'N minutes for M tests' row for the suite and -m quick"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert proc.returncode == 0 and ids, proc.stdout[-2000:] + proc.stderr[-2000:]
+    now = {False: len(ids), True: sum(i.startswith(QUICK) for i in ids)}
+    for quick in (False, True):
+        assert abs(timed[quick] - now[quick]) <= 0.1 * now[quick], (
+            f"README.md times {'the quick tier' if quick else 'the suite'} on {timed[quick]} tests, there are "
+            f"{now[quick]}: time `bash scripts/test.sh{' -m quick' if quick else ''}` again and update it")

@@ -235,7 +235,8 @@ def drop_refused_outputs() -> int:
     them, and fail, again. Called only then, after the state is put back: it
     walks the garbage collector's objects once. Returns how many were dropped.
     """
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_xla]
+    # Not weak proxies: isinstance sees through one, and its referent may die before it is read.
+    live = [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, torch.Tensor) and o.is_xla]
     if not live:
         return 0
     inner = [_private.inner_value(t) for t in live]

@@ -22,6 +22,7 @@ import logging
 import shutil
 import subprocess
 import warnings
+import weakref
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -210,7 +211,9 @@ def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str
         wanted = {id(t) for t in missing}
         with warnings.catch_warnings():  # isinstance on deprecated module-level aliases warns
             warnings.simplefilter("ignore")
-            modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+            # Not weak proxies: isinstance sees through one, and its referent may die before it is read.
+            modules = [obj for obj in gc.get_objects()
+                       if type(obj) not in weakref.ProxyTypes and isinstance(obj, nn.Module)]
         for obj in modules:
             hits = sum(id(p) in wanted for p in obj.parameters())
             if hits > best_hits:
