@@ -92,14 +92,14 @@ def take_value(dst: torch.Tensor, src: torch.Tensor) -> None:
     ``dst`` see the new value. A plain ``copy_`` where functionalization is off.
     """
     if _is_functional(dst) and _is_functional(src):
-        _functionalize_replace(dst, _from_functional(src))
-        _functionalize_commit_update(dst)
+        restore_value(dst, _from_functional(src))
     else:
         dst.copy_(src)
 
 
 def restore_value(dst: torch.Tensor, inner: torch.Tensor) -> None:
-    """``dst`` takes back ``inner``, a value it held before (:func:`inner_value`), as if never written since."""
+    """``dst`` takes ``inner``, a lazy tensor (:func:`inner_value`: one it held before, or another's), as its
+    value, as if never written since; :func:`take_value` with the lazy tensor itself."""
     if _is_functional(dst):
         _functionalize_replace(dst, inner)
         _functionalize_commit_update(dst)

@@ -335,7 +335,7 @@ def _create_state_before_first_step(optimizer: torch.optim.Optimizer, args: Any,
     if step is not None:
         step.rollback.optimizer(optimizer)
     _create_state(optimizer)
-    if _open_step() is not None or dynamo_fallback.trained_with(optimizer) == STEP_BACKEND_NAME:
+    if step is not None or dynamo_fallback.trained_with(optimizer) == STEP_BACKEND_NAME:
         in_flight.keep_optimizer_update(optimizer)
 
 
