@@ -12,6 +12,7 @@ losses, parameters, gradient shardings, compile counters) as JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402,F401
-from xla_helpers import FUSED, UPSTREAM, counter, cpu_state, device, make_model, mlp_task, train  # noqa: E402
+from xla_helpers import FUSED, FUSED_STEP, UPSTREAM, counter, cpu_state, device, make_model, mlp_task, train  # noqa: E402
 
 STEPS = 6
 
@@ -141,6 +142,62 @@ def sharding_changes() -> dict[str, Any]:
     return out
 
 
+def in_flight() -> dict[str, Any]:
+    """Results in flight. Reading a placeholder's buffer handle crashed torch_xla 2.9 under SPMD (it reads a
+    first shard the placeholder does not have yet; HF Trainer's FSDPv2 step hit it under load); handles
+    are read once the buffer is there, and the fold keys device data by lazy tensor, the same before and
+    after. Then fused steps of 3 micro-batches, each launched right after the parameters' update,
+    compared with the same steps on CPU."""
+    from torch_xla_bridge import _private, names
+
+    torch._dynamo.reset()
+    mesh = data_mesh()
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    model = copy.deepcopy(cpu_model).to(device())
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, cpu_model)]
+    step = torch.compile(lambda x, y: F.mse_loss(model(x), y) / 3, backend=FUSED_STEP)
+    big = torch.randn(2048, 2048).to(device())
+    xs.mark_sharding(big, mesh, ("data", None))
+
+    def launch_slow_update() -> None:
+        slow = (big @ big.T @ big).mean() * 0  # the parameters' values unchanged, their buffers late
+        with torch.no_grad():
+            for p in params:
+                p.add_(slow)
+        torch_xla._XLAC._xla_sync_multi(params, devices=[], wait=False, sync_xla_data=True)
+
+    # A result just launched is a placeholder until its execution's buffers are assigned (on PJRT CPU
+    # when the launch returns: a short window, so it is read at once, and the steps below hit it by chance).
+    fresh = big @ big.T
+    torch_xla._XLAC._xla_sync_multi([fresh], devices=[], wait=False, sync_xla_data=True)
+    in_flight_then = bool(torch_xla._XLAC._is_placecholder(fresh))
+    key, handle = _private.tensor_id(fresh), _private.buffer_handles([fresh])[0]  # waits for it
+    out: dict[str, Any] = {
+        "key_check_in_flight": in_flight_then,
+        "same_keys": key == _private.tensor_id(fresh) and handle == _private.buffer_handles([fresh])[0],
+        "folds": [], "param_err": [],
+    }
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        folds = counter(names.FOLD_COUNTER)
+        launch_slow_update()
+        for _ in range(3):
+            x_cpu, y_cpu = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+            x, y = x_cpu.to(device()), y_cpu.to(device())
+            xs.mark_sharding(x, mesh, ("data", None))
+            step(x, y).backward()
+            (F.mse_loss(cpu_model(x_cpu), y_cpu) / 3).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        xm.wait_device_ops()
+        out["folds"].append(counter(names.FOLD_COUNTER) - folds)
+        out["param_err"].append(max((p.cpu() - q).abs().max().item() for p, q in zip(params, cpu_model.parameters())))
+    return out
+
+
 def main(path: str) -> None:
     # The XLA runtime comes up before the first CPU backward (the autograd
     # engine sizes its device queues then).
@@ -153,6 +210,7 @@ def main(path: str) -> None:
         "dp_eager_opt": {b: training(b, fsdp=False, compiled_optimizer=False) for b in (FUSED, UPSTREAM)},
         "fsdp": {b: training(b, fsdp=True) for b in (FUSED, UPSTREAM)},
         "changes": sharding_changes(),
+        "in_flight": in_flight(),
     }
     xm.wait_device_ops()
     with open(path, "w") as f:

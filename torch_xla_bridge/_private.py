@@ -342,7 +342,8 @@ else:
     # False inside torch_xla.compile(full_graph=True): any execution there raises.
     execution_allowed: Callable[[], bool] = _xla("_get_allow_execution", _XLAC)
     warm_up_cache: Callable[[list, list], None] = _xla("_xla_warm_up_cache", _XLAC)
-    tensors_handle: Callable[[list], list[int]] = _xla("_get_tensors_handle", _XLAC)
+    _tensors_handle = _xla("_get_tensors_handle", _XLAC)
+    _is_placeholder = _xla("_is_placecholder", _XLAC)
     # The unique id of the lazy tensor behind a tensor now (a functional in-place op makes a new one).
     tensor_id: Callable[[torch.Tensor], int] = _xla("_xla_get_tensor_id", _XLAC)
     # A device buffer's donation flag (torch.ops.xla.dynamo_set_buffer_donor_ sets it).
@@ -377,6 +378,19 @@ else:
         if _attribute not in _upstream_bridge.GraphInputMatcher.__init__.__code__.co_names:
             raise _missing("torch_xla", TORCH_XLA_VERSION, torch_xla.__version__,
                            f"GraphInputMatcher sets no {_attribute}")
+
+    def buffer_handles(tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The device buffer behind each data tensor (equal handles: one buffer); waits for results in flight.
+
+        A result whose execution is still being launched holds a placeholder: PJRT's handle is then the
+        placeholder's address (another number once the buffer is assigned), and under SPMD torch_xla 2.9
+        reads the first of its shards, which a placeholder does not have yet (a crash, seen as a segfault
+        under load). Callers read handles at trace time only, so the wait is not paid per step.
+        """
+        tensors = list(tensors)
+        if any(map(_is_placeholder, tensors)):
+            _xm.wait_device_ops()
+        return _tensors_handle(tensors)
 
     def rng_seed() -> int:
         """The default device's RNG seed now (host side: reading it runs nothing)."""
@@ -442,11 +456,11 @@ def _install_buffer_matcher() -> None:
             tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "xla"]
             ready = [(i, a) for (i, a), pending in zip(tensors, need_materialization([a for _, a in tensors]))
                      if not pending]
-            buffers = dict(zip(tensors_handle([a for _, a in ready]), (i for i, _ in ready)))
+            buffers = dict(zip(buffer_handles([a for _, a in ready]), (i for i, _ in ready)))
             for k, (value, index) in enumerate(zip(self.graph_input_xla_values, self.arg_idxs)):
                 if index is not None or value is None or need_materialization([value])[0]:
                     continue
-                arg = buffers.get(tensors_handle([value])[0])
+                arg = buffers.get(buffer_handles([value])[0])
                 if arg is not None:
                     self.arg_idxs[k] = arg
                     self.graph_input_xla_values[k] = None

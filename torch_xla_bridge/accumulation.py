@@ -191,7 +191,9 @@ class Accumulation:
         pending = iter(_private.need_materialization(tensors) if tensors else [])
         is_pending = [t is None or next(pending) for t in outside]
         data = [t for t, p in zip(outside, is_pending) if not p]
-        handles = iter([(_DATA, h) for h in _private.tensors_handle(data)] if data else [])
+        # Device data is keyed by its lazy tensor's id, not its buffer handle: a result of an execution still
+        # in flight has no stable handle (see _private.buffer_handles), and reading it must not wait.
+        handles = iter([(_DATA, _private.tensor_id(t)) for t in data])
         index = len(self.current)
         for m, r in enumerate(call.results):
             self._where[id(r)] = (WeakIdRef(r), index, m)
@@ -292,8 +294,8 @@ class _Left:
         return grad is not None and self.value == _private.tensor_id(grad)
 
 
-# Kinds of value keys in _Call.handles: device data (its handle), constants (their graph hash), a lazy
-# tensor (its id). Two inputs with one key hold one value.
+# Kinds of value keys in _Call.handles: device data (its lazy tensor's id), constants (their graph hash), a
+# lazy tensor (its id). Two inputs with one key hold one value.
 _DATA, _CONSTANT, _LAZY = 0, 1, 2
 
 

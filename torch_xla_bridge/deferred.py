@@ -298,7 +298,7 @@ class DeferredGraph:
         # Random ops derive their seeds from the device's base seed (not the running
         # one); its device data handle identifies the parameter it becomes.
         seed_at_trace = (
-            _private.tensors_handle([_private.base_seed_tensor(str(torch_xla.device()))])[0] if self._random else 0
+            _private.buffer_handles([_private.base_seed_tensor(str(torch_xla.device()))])[0] if self._random else 0
         )
         with torch.no_grad(), _private.eager_mode_context(False):
             placeholders, packs = _placeholders(args)
@@ -564,7 +564,7 @@ def _seed_parameter(params: dict[int, torch.Tensor], sources: Sequence[Any], see
     found = [
         pid for pid, t in params.items()
         if type(sources[pid]) is not int and t.dtype == torch.int64 and t.dim() == 0
-        and _private.tensors_handle([t])[0] == seed_at_trace
+        and _private.buffer_handles([t])[0] == seed_at_trace
     ]
     return found[0] if len(found) == 1 else None
 
