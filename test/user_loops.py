@@ -3,9 +3,12 @@
 Each loop trains on XLA with a given backend (``None``: eager on the device
 given) and returns a JSON-able record: the parameters after training (as
 lists, for comparison with eager CPU), the losses, and the XLA executions of
-every iteration after warm-up. ``python user_loops.py LOOP BACKEND [DEVICE]``
-prints that record as the last line of stdout, so a test can run a loop that
-might crash the process (a segfault, an abort) in a subprocess of its own.
+every iteration after warm-up. ``python user_loops.py BACKEND LOOP [LOOP ...]``
+runs the loops one after another in this process (dynamo reset between them)
+and prints each record as one line of stdout as soon as it is done, so a test
+can run loops that might crash the process (a segfault, an abort) in a
+subprocess and still have every record before the crash (test_user_loops.py
+starts the rest again in a fresh process).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ class Run:
         self.errors: list[str] = []
         self._mark = self.executions()
         self._compiles_mark = self.compiles()
+        # Loops share a process (main): counters a record reports whole are taken from here.
+        self.folds_at_start = 0
+        if self.on_xla:
+            from torch_xla_bridge.counting import counter
+            from torch_xla_bridge.names import FOLD_COUNTER
+
+            self.folds_at_start = counter(FOLD_COUNTER)
         self.caught = warnings.catch_warnings(record=True)
         self.warnings = self.caught.__enter__()
         warnings.simplefilter("always")
@@ -413,15 +423,18 @@ def _nanogpt(backend: Optional[str], device: str, steps: int, micro: int) -> Rec
         from torch_xla_bridge.counting import counter
         from torch_xla_bridge.names import FOLD_COUNTER
 
-        folds = counter(FOLD_COUNTER)
+        folds = counter(FOLD_COUNTER) - r.folds_at_start
     return r.record({"model": model}, values=losses, folds=folds)
 
 
 def main(argv: list[str]) -> None:
-    name, backend = argv[0], argv[1]
-    device = argv[2] if len(argv) > 2 else "xla"
-    rec = LOOPS[name](None if backend == "eager" else backend, device)
-    print(json.dumps(rec))
+    import gc
+
+    backend = None if argv[0] == "eager" else argv[0]
+    for name in argv[1:]:
+        torch._dynamo.reset()
+        gc.collect()  # the last loop's tensors, so that no pending IR of theirs joins this loop's executions
+        print(json.dumps({"loop": name, "record": LOOPS[name](backend)}), flush=True)
 
 
 if __name__ == "__main__":
