@@ -43,7 +43,7 @@ def _run_backend(backend: str) -> dict[str, Any]:
     names, results = list(LOOPS_RUN[backend]), {}
     while names:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "user_loops.py"), backend, *names],
+            [sys.executable, str(HERE / "user_loops.py"), *names, backend],
             capture_output=True, text=True, timeout=HANG_TIMEOUT_S, env=env, cwd=HERE,
         )
         for line in proc.stdout.splitlines():

@@ -3,7 +3,7 @@
 Each loop trains on XLA with a given backend (``None``: eager on the device
 given) and returns a JSON-able record: the parameters after training (as
 lists, for comparison with eager CPU), the losses, and the XLA executions of
-every iteration after warm-up. ``python user_loops.py BACKEND LOOP [LOOP ...]``
+every iteration after warm-up. ``python user_loops.py LOOP [LOOP ...] BACKEND``
 runs the loops one after another in this process (dynamo reset between them)
 and prints each record as one line of stdout as soon as it is done, so a test
 can run loops that might crash the process (a segfault, an abort) in a
@@ -430,8 +430,8 @@ def _nanogpt(backend: Optional[str], device: str, steps: int, micro: int) -> Rec
 def main(argv: list[str]) -> None:
     import gc
 
-    backend = None if argv[0] == "eager" else argv[0]
-    for name in argv[1:]:
+    backend = None if argv[-1] == "eager" else argv[-1]
+    for name in argv[:-1]:
         torch._dynamo.reset()
         gc.collect()  # the last loop's tensors, so that no pending IR of theirs joins this loop's executions
         print(json.dumps({"loop": name, "record": LOOPS[name](backend)}), flush=True)

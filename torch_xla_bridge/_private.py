@@ -319,17 +319,25 @@ else:
     need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
     # The device-data leaves of tensors' pending IR (none: the IR is made of constants only).
-    device_data_nodes: Callable[[list], tuple] = _xla("_get_tensors_xla_device_data_node", _XLAC)
     graph_hash: Callable[[list], bytes] = _xla("_get_graph_hash", _XLAC)
     _debug_info: Callable[[torch.Tensor], str] = _xla("_get_xla_tensor_debug_info", _XLAC)
     # The pending IR of tensors as text (walks all of it).
     ir_text: Callable[[list], str] = _xla("_get_xla_tensors_text", _XLAC)
 
+    def reads_device_data(tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the pending IR of ``tensors`` reads device data (a buffer, or a scalar uploaded as one).
+
+        Read from the IR's text, not with ``_get_tensors_xla_device_data_node``, which takes each buffer's
+        handle: under SPMD that crashes torch_xla 2.9 on a result still in flight (see ``buffer_handles``).
+        Walks all of the IR: callers ask about small graphs (constants, zero fills).
+        """
+        return "xla::device_data(" in ir_text(list(tensors))
+
     def ir_root(t: torch.Tensor) -> Optional[str]:
         """The root node of ``t``'s pending IR as torch_xla prints it (op, shape, attributes); None without IR.
 
         Reads the root only: microseconds however large the graph, where
-        ``device_data_nodes`` and ``graph_hash`` walk all of it.
+        ``reads_device_data`` and ``graph_hash`` walk all of it.
         """
         for line in _debug_info(t).splitlines():
             if line.startswith("IR: "):

@@ -304,7 +304,7 @@ def _pending_key(t: torch.Tensor, walk: bool) -> tuple[int, Any]:
     (a mask created per call: another tensor, the same value), else ``(_LAZY, its lazy tensor's id)`` (the
     same tensor, unchanged: a per-step value computed once, as Trainer's ``num_items_in_batch``). ``walk``:
     whether its IR may be walked (inputs from outside are small graphs; state updated in place is not)."""
-    if walk and not _private.device_data_nodes([t])[0]:
+    if walk and not _private.reads_device_data([t]):
         return _CONSTANT, _private.graph_hash([t])
     return _LAZY, _private.tensor_id(t)
 

@@ -482,7 +482,7 @@ def _materialize_constant(tensors: Sequence[torch.Tensor]) -> None:
         return
     constants = [
         t for t, pending in zip(xla, _private.need_materialization(xla))
-        if pending and not _private.device_data_nodes([t])[0]
+        if pending and not _private.reads_device_data([t])
     ]
     if constants:
         counting.bump(FRESH_STATE_COUNTER)

@@ -245,7 +245,7 @@ def zero_fills(grads: list[torch.Tensor]) -> list[bool]:
     if len({g.device for g in grads}) == 1:
         shapes = tuple((tuple(g.shape), g.dtype) for g in grads)
         if (_private.graph_hash(grads) == _zero_fills_hash(shapes, str(grads[0].device))
-                and not _private.device_data_nodes(grads)[0]):
+                and not _private.reads_device_data(grads)):
             return [True] * len(grads)
     return [_is_zero_fill(g) for g in grads]
 
@@ -260,7 +260,7 @@ def _is_zero_fill(grad: torch.Tensor) -> bool:
     """``grad``'s pending IR is the zero fill ``zero_()`` leaves; its IR root is compared first (see zero_fills)."""
     shape, dtype, device = tuple(grad.shape), grad.dtype, str(grad.device)
     root, graph = _zero_fill(shape, dtype, device)
-    if _private.ir_root(grad) != root or _private.device_data_nodes([grad])[0]:
+    if _private.ir_root(grad) != root or _private.reads_device_data([grad]):
         return False
     return _private.graph_hash([grad]) == graph
 
