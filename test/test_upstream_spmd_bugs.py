@@ -54,3 +54,13 @@ def test_checkpointed_backward_reuses_the_first_batch_under_spmd_with_openxla():
         assert float(first) < 1e-6 and float(lazy) < 1e-6, out[-3000:]
         assert (float(own) < 1e-6) == (step == "0"), out[-3000:]
     assert "backward graph: [(16,), (16, 32), (32,), (32, 16), (8, 16)]" in out, out[-3000:]
+
+
+PLACEHOLDER = ROOT / "upstream" / "bugs" / "spmd_placeholder_handle.py"
+
+
+def test_reading_a_result_in_flight_under_spmd_crashes_torch_xla_2_9_0():
+    """Both reads of a sharded placeholder's handle die with SIGSEGV (-11) in the reproducer's children."""
+    rc, out = _run(None, PLACEHOLDER)
+    assert rc == 1 and "BUG: reading a result in flight under SPMD crashes (handle, device_data_node)" in out, out[-3000:]
+    assert re.search(r"handle +exit status +-11", out) and re.search(r"device_data_node +exit status +-11", out), out
