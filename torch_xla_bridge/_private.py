@@ -307,6 +307,7 @@ else:
     import torch_xla.core.xla_builder as _xb
     import torch_xla.core.xla_model as _xm
     import torch_xla.experimental.eager as _eager
+    import torch_xla.runtime as _xr
     from torch_xla._dynamo import config as dynamo_config
 
     def _xla(path: str, obj: Any = torch_xla) -> Any:
@@ -324,14 +325,20 @@ else:
     # The pending IR of tensors as text (walks all of it).
     ir_text: Callable[[list], str] = _xla("_get_xla_tensors_text", _XLAC)
 
+    _device_data_nodes = _xla("_get_tensors_xla_device_data_node", _XLAC)
+
     def reads_device_data(tensors: Sequence[torch.Tensor]) -> bool:
         """Whether the pending IR of ``tensors`` reads device data (a buffer, or a scalar uploaded as one).
 
-        Read from the IR's text, not with ``_get_tensors_xla_device_data_node``, which takes each buffer's
-        handle: under SPMD that crashes torch_xla 2.9 on a result still in flight (see ``buffer_handles``).
-        Walks all of the IR: callers ask about small graphs (constants, zero fills).
+        ``_get_tensors_xla_device_data_node`` takes each buffer's handle: under SPMD that crashes
+        torch_xla 2.9 on a result still in flight (see ``buffer_handles``), so there the IR's text is
+        read instead (slower: it formats every node; this runs per step on small graphs, constants
+        and zero fills). Without SPMD a placeholder's handle is its address: safe to take.
         """
-        return "xla::device_data(" in ir_text(list(tensors))
+        tensors = list(tensors)
+        if _xr.is_spmd():
+            return "xla::device_data(" in ir_text(tensors)
+        return bool(_device_data_nodes(tensors)[0])
 
     def ir_root(t: torch.Tensor) -> Optional[str]:
         """The root node of ``t``'s pending IR as torch_xla prints it (op, shape, attributes); None without IR.
