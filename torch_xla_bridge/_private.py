@@ -319,7 +319,6 @@ else:
     # Lazy tensors: pending IR, counters.
     need_materialization: Callable[[list], list[bool]] = _xla("_check_tensor_need_materialization", _XLAC)
     increment_counter: Callable[[str, int], None] = _xla("_xla_increment_counter", _XLAC)
-    # The device-data leaves of tensors' pending IR (none: the IR is made of constants only).
     graph_hash: Callable[[list], bytes] = _xla("_get_graph_hash", _XLAC)
     _debug_info: Callable[[torch.Tensor], str] = _xla("_get_xla_tensor_debug_info", _XLAC)
     # The pending IR of tensors as text (walks all of it).
