@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator, Optional, Sequence
+import weakref
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch._functorch._aot_autograd.runtime_wrappers as _aot_runtime
@@ -64,6 +66,18 @@ current_autograd_node: Callable[[], Optional[torch.autograd.graph.Node]] = _torc
 # does not under torch.autograd.grad, nor for leaves left out of backward(inputs=...)).
 will_engine_execute_node: Callable[[torch.autograd.graph.Node], bool] = _torch("_C._will_engine_execute_node")
 queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
+
+
+_T = TypeVar("_T")
+
+
+def live_objects(cls: type[_T]) -> list[_T]:
+    """Every object the garbage collector tracks that is a ``cls`` (walks all of them: not for a hot path).
+
+    Weak proxies are left out: ``isinstance`` sees through one, and its referent may die before it is
+    read (a ReferenceError, seen depending on test order).
+    """
+    return [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, cls)]
 
 
 # --- torch: functionalization (torch_xla's tensors are functional wrappers) --------

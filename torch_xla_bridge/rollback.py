@@ -21,7 +21,6 @@ it was kept (that execution may have donated its buffer).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import re
 import weakref
@@ -235,8 +234,7 @@ def drop_refused_outputs() -> int:
     them, and fail, again. Called only then, after the state is put back: it
     walks the garbage collector's objects once. Returns how many were dropped.
     """
-    # Not weak proxies: isinstance sees through one, and its referent may die before it is read.
-    live = [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, torch.Tensor) and o.is_xla]
+    live = [t for t in _private.live_objects(torch.Tensor) if t.is_xla]
     if not live:
         return 0
     inner = [_private.inner_value(t) for t in live]

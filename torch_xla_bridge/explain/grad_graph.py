@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import logging
 import shutil
 import subprocess
 import warnings
-import weakref
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _private
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +211,7 @@ def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str
         wanted = {id(t) for t in missing}
         with warnings.catch_warnings():  # isinstance on deprecated module-level aliases warns
             warnings.simplefilter("ignore")
-            # Not weak proxies: isinstance sees through one, and its referent may die before it is read.
-            modules = [obj for obj in gc.get_objects()
-                       if type(obj) not in weakref.ProxyTypes and isinstance(obj, nn.Module)]
+            modules = _private.live_objects(nn.Module)
         for obj in modules:
             hits = sum(id(p) in wanted for p in obj.parameters())
             if hits > best_hits:
