@@ -53,13 +53,6 @@ class Run:
         self.errors: list[str] = []
         self._mark = self.executions()
         self._compiles_mark = self.compiles()
-        # Loops share a process (main): counters a record reports whole are taken from here.
-        self.folds_at_start = 0
-        if self.on_xla:
-            from torch_xla_bridge.counting import counter
-            from torch_xla_bridge.names import FOLD_COUNTER
-
-            self.folds_at_start = counter(FOLD_COUNTER)
         self.caught = warnings.catch_warnings(record=True)
         self.warnings = self.caught.__enter__()
         warnings.simplefilter("always")
@@ -88,6 +81,15 @@ class Run:
         from torch_xla_bridge.counting import counter
 
         return counter("UncachedCompile")
+
+    def folds(self) -> int:
+        """Micro-batches openxla_fused_step folded into a loop so far (loops share a process: take differences)."""
+        if not self.on_xla:
+            return 0
+        from torch_xla_bridge.counting import counter
+        from torch_xla_bridge.names import FOLD_COUNTER
+
+        return counter(FOLD_COUNTER)
 
     def end_iteration(self) -> None:
         now = self.executions()
@@ -406,6 +408,7 @@ def _nanogpt(backend: Optional[str], device: str, steps: int, micro: int) -> Rec
     fwd = r.compile(model)
     gen = torch.Generator().manual_seed(11)
     losses = []
+    folds_before = r.folds()
     for i in range(steps):
         for group in opt.param_groups:
             group["lr"] = 1e-3 * (i + 1) / steps  # warm-up, as nanoGPT's get_lr
@@ -418,13 +421,7 @@ def _nanogpt(backend: Optional[str], device: str, steps: int, micro: int) -> Rec
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         r.end_iteration()
-    folds = 0
-    if r.on_xla:
-        from torch_xla_bridge.counting import counter
-        from torch_xla_bridge.names import FOLD_COUNTER
-
-        folds = counter(FOLD_COUNTER) - r.folds_at_start
-    return r.record({"model": model}, values=losses, folds=folds)
+    return r.record({"model": model}, values=losses, folds=r.folds() - folds_before)
 
 
 def main(argv: list[str]) -> None:
