@@ -21,36 +21,23 @@ the peak.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-_GIB = 1 << 30
-_FIELDS = {
-    "Graph input size": "argument",
-    "Graph output size": "output",
-    "Aliased Input size": "aliased",
-    "Intermediate tensor size": "temporary",
-}
-_LINE = re.compile(r"Post Compilation Analysis: (?P<field>[A-Za-z ]+): (?P<value>\S+)(?: GB)?")
+if TYPE_CHECKING:
+    from torch_xla_bridge.program_memory import Program
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One compiled program's buffers, in bytes (1 KiB resolution)."""
+def __getattr__(name: str) -> Any:
+    """``Program`` and ``parse`` live in the package (torch_xla_bridge/program_memory.py), imported on first use:
+    importing the package starts torch_xla, and :func:`enable` must run before that."""
+    if name in ("Program", "parse"):
+        from torch_xla_bridge import program_memory
 
-    argument: int
-    output: int
-    aliased: int
-    temporary: int
-
-    @property
-    def own_bytes(self) -> int:
-        """Its own buffers while it runs: donated arguments share their output's buffer."""
-        return self.argument + self.output - self.aliased + self.temporary
+        return getattr(program_memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enable() -> Optional[Path]:
@@ -66,23 +53,6 @@ def enable() -> Optional[Path]:
     os.environ["PT_XLA_DEBUG_LEVEL"] = "1"
     os.environ["PT_XLA_DEBUG_FILE"] = name
     return Path(name)
-
-
-def parse(text: str) -> list[Program]:
-    """The programs of an analysis file, in compile order; a block with a size XLA did not know (``Unknown``) is left out."""
-    programs: list[Program] = []
-    fields: dict[str, Optional[int]] = {}
-    for m in _LINE.finditer(text):
-        key = _FIELDS.get(m["field"].strip())
-        if key is None:
-            continue
-        if key == "argument":  # a block's first size
-            fields = {}
-        value = m["value"]
-        fields[key] = round(float(value) * _GIB) if re.fullmatch(r"[0-9.]+", value) else None
-        if key == "temporary" and len(fields) == len(_FIELDS) and None not in fields.values():
-            programs.append(Program(**fields))  # type: ignore[arg-type]
-    return programs
 
 
 def summary(programs: list[Program]) -> dict[str, Optional[float]]:

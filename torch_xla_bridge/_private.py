@@ -27,6 +27,7 @@ import logging
 import sys
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -75,9 +76,12 @@ def live_objects(cls: type[_T]) -> list[_T]:
     """Every object the garbage collector tracks that is a ``cls`` (walks all of them: not for a hot path).
 
     Weak proxies are left out: ``isinstance`` sees through one, and its referent may die before it is
-    read (a ReferenceError, seen depending on test order).
+    read (a ReferenceError, seen depending on test order). ``isinstance`` on some objects warns (a
+    deprecated alias's ``__class__``, e.g. ``torch.distributed.reduce_op``): silenced, as the walk is ours.
     """
-    return [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, cls)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, cls)]
 
 
 # --- torch: functionalization (torch_xla's tensors are functional wrappers) --------

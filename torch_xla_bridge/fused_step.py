@@ -98,7 +98,7 @@ def _refused(step: "_Step", error: RuntimeError, launches: int, compiled: bool) 
     if not compiled:
         dropped = rollback.drop_refused_outputs()
         log.debug("refused step: %d of its results still alive dropped", dropped)
-    raise rollback.refused_step_error(error, STEP_BACKEND_NAME, step.rollback.kept(), lost) from error
+    raise rollback.refused_step_error(error, STEP_BACKEND_NAME, step.rollback.kept(), lost, compiled) from error
 
 
 @dataclasses.dataclass

@@ -87,7 +87,7 @@ class _Trained:
         what they wrote takes back its value from before, the step is over, and the error says so."""
         _since_barrier.discard(self)
         lost = self.rollback.restore(launches)
-        raise rollback.refused_step_error(error, BACKEND_NAME, self.rollback.kept(), lost) from error
+        raise rollback.refused_step_error(error, BACKEND_NAME, self.rollback.kept(), lost, compiled) from error
 
 
 # The marker of the current step, if any (at most one member; see _Trained).

@@ -30,7 +30,7 @@ import torch
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from . import _private, counting, grad_sync, names
+from . import _private, counting, grad_sync, names, program_memory
 
 log = logging.getLogger(__name__)
 
@@ -252,19 +252,31 @@ def is_out_of_memory(error: BaseException) -> bool:
     return bool(_OUT_OF_MEMORY.search(str(error)))
 
 
-def refused_step_error(error: RuntimeError, backend: str, kept: str, lost: list[str]) -> RuntimeError:
-    """The error a refused step raises: what happened, what was put back, what to try, XLA's own message.
+def refused_step_error(error: RuntimeError, backend: str, kept: str, lost: list[str], compiled: bool) -> RuntimeError:
+    """The error a refused step raises: what happened, how much memory its program needs, what was put back,
+    what to try, XLA's own message.
 
     Out of memory, it holds " out of memory." as CUDA's does, so that tools that retry at a smaller
     batch (accelerate's ``find_executable_batch_size``, Trainer's ``auto_find_batch_size``) see it.
+    ``compiled``: the refused program compiled (refused as its execution was prepared), so XLA's
+    accounting of it is the last in torch_xla's analysis file, where there is one
+    (:mod:`.program_memory`); refused as it compiles, XLA's own message says what it needs.
     """
     state = (f"{kept} are as they were before the step" if not lost
              else f"{kept} are as they were before the step, except {', '.join(lost)} (see docs/guide.md)")
     if is_out_of_memory(error):
         needed = _BYTES.search(str(error))
         size = f" (XLA tried to allocate {int(needed[1]) / 2**30:.1f} GiB)" if needed else ""
+        program = program_memory.last_compiled() if compiled else None
+        if program is not None:
+            analysis = f" XLA's accounting of the step's program: {program.describe()}."
+        elif compiled:
+            analysis = (" For XLA's accounting of the program's memory, set PT_XLA_DEBUG_LEVEL=1 and "
+                        "PT_XLA_DEBUG_FILE before torch_xla starts (or run under python -m torch_xla_bridge.explain).")
+        else:
+            analysis = ""
         head = (f"{backend}: the training step ran out of memory. XLA refused it while compiling or preparing "
-                f"it{size}: nothing of it ran, and {state}. Try a smaller batch, gradient accumulation, "
+                f"it{size}: nothing of it ran, and {state}.{analysis} Try a smaller batch, gradient accumulation, "
                 f"activation checkpointing, or sharding the step over more devices.")
     else:
         head = f"{backend}: XLA refused the training step before running it; nothing of it ran, and {state}."

@@ -26,6 +26,8 @@ import os
 import re
 from typing import Optional
 
+from .. import program_memory
+
 _PREFIX = "Execution Analysis: "
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):(?P<line>\d+)\)$")
 
@@ -43,11 +45,7 @@ class AnalysisRecord:
 
 def enabled() -> bool:
     """True if the environment asks torch_xla to write its analysis to a file we can read."""
-    try:
-        level = int(os.environ.get("PT_XLA_DEBUG_LEVEL", "0") or 0)
-    except ValueError:
-        return False
-    return level >= 1 and bool(os.environ.get("PT_XLA_DEBUG_FILE"))
+    return program_memory.analysis_file() is not None
 
 
 class AnalysisLog:
