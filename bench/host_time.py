@@ -47,12 +47,13 @@ from typing import Any, Iterable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
+import torch  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 from bench import ROOT  # noqa: E402
 from bench.loops import LOOPS  # noqa: E402
-from bench.worker import MODES, TrainerProcess, build_step, replies_on_stdout  # noqa: E402
+from bench.worker import MODES, REPLAYED, TrainerProcess, build_step, replies_on_stdout  # noqa: E402
 from torch_xla_bridge.counting import executions  # noqa: E402
 from torch_xla_bridge.names import EXECUTE_METRICS, UPSTREAM_BACKEND_NAME  # noqa: E402
 
@@ -235,9 +236,21 @@ def jax_python(arg: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("jax") is not None else None
 
 
-def run_jax(python: str, counts: dict[str, int]) -> dict:
-    """The JAX reference step's figures, or an "error" entry saying why there are none."""
-    cfg = dict(depth=32, width=256, batch=64, **counts)
+def _mlp_shape(workload: str) -> tuple[int, int, int] | None:
+    """(depth, width, batch) of an MLP workload (bench/models.py), which bench/jax_step.py reproduces; else None."""
+    from bench.models import by_name
+
+    if not workload.startswith("mlp"):
+        return None
+    model = by_name(workload)
+    linears = [m for m in model.make_model().modules() if isinstance(m, torch.nn.Linear)]
+    batch = model.make_batch(torch.Generator().manual_seed(0))[0].shape[0]
+    return len(linears) - 1, linears[0].out_features, batch
+
+
+def run_jax(python: str, counts: dict[str, int], depth: int = 32, width: int = 256, batch: int = 64) -> dict:
+    """The JAX reference step's figures for the MLP of that shape, or an "error" entry saying why there are none."""
+    cfg = dict(depth=depth, width=width, batch=batch, **counts)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     try:
         proc = subprocess.run([python, str(ROOT / "bench" / "jax_step.py"), json.dumps(cfg)],
@@ -371,7 +384,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help=f"workloads {QUICK_WORKLOADS}, fewer rounds")
     ap.add_argument("--out", type=Path, default=None, help="default: docs/benchmarks (quick: docs/benchmarks/quick)")
     ap.add_argument("--workloads", help="comma-separated workloads of bench/models.py (overrides the plan)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {(*MODES, REPLAYED)}")
     for k in FULL:
         ap.add_argument(f"--{k}", type=int, help=f"default {FULL[k]} (quick: {QUICK[k]})")
     ap.add_argument("--jax-python", default=os.environ.get("BENCH_JAX_PYTHON"),
@@ -390,8 +403,8 @@ def main(argv: Iterable[str] | None = None) -> None:
         serve(args.serve, args.workload, args.loop)
         return
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        ap.error(f"unknown modes {unknown}; modes: {MODES}")
+    if unknown := [m for m in modes if m not in (*MODES, REPLAYED)]:
+        ap.error(f"unknown modes {unknown}; modes: {(*MODES, REPLAYED)}")
     counts = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
     workloads = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     if args.one:
@@ -408,11 +421,14 @@ def main(argv: Iterable[str] | None = None) -> None:
         # Written as it goes: a later workload's crash keeps the earlier ones.
         (out / "host_time.json").write_text(json.dumps(report, indent=1))
     python = jax_python(args.jax_python)
-    jax_row = run_jax(python, counts) if python else dict(error="jax not available")
-    if "error" in jax_row:
-        report["jax_note"] = jax_row["error"]
     for w in report["workloads"]:
-        if w["workload"] == JAX_WORKLOAD and "error" not in jax_row:
+        shape = _mlp_shape(w["workload"])
+        if shape is None:
+            continue
+        jax_row = run_jax(python, counts, *shape) if python else dict(error="jax not available")
+        if "error" in jax_row:
+            report["jax_note"] = jax_row["error"]
+        else:
             w["rows"][JAX_MODE] = jax_row
             add_ratios(w["rows"])
     report["plot_note"] = plot(report, out)

@@ -34,12 +34,14 @@ import torch_xla.debug.metrics as met  # noqa: E402
 from bench.loops import LOOPS  # noqa: E402
 from bench.models import by_name  # noqa: E402
 from torch_xla_bridge.counting import executions  # noqa: E402
-from torch_xla_bridge.names import BACKEND_NAME, BACKEND_NAMES, UPSTREAM_BACKEND_NAME  # noqa: E402
+from torch_xla_bridge.names import BACKEND_NAME, BACKEND_NAMES, STEP_BACKEND_NAME, UPSTREAM_BACKEND_NAME  # noqa: E402
 
 MODES = (UPSTREAM_BACKEND_NAME, *BACKEND_NAMES, "lazy", "torch_xla.compile")
 # torch_xla's own While-loop accumulation (torch_xla.experimental.gradient_accumulation): bench.accumulation only.
 GRADIENT_ACCUMULATION = "gradient_accumulation"
 DYNAMO_MODES = MODES[:3]
+# openxla_fused_step's step handed over whole (@torch_xla_bridge.replayed_step): bench.host_time only.
+REPLAYED = "openxla_fused_step+replayed_step"
 
 
 def _time_callbacks() -> list[float]:
@@ -80,6 +82,24 @@ def build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Modul
     def loss_of(*batch: torch.Tensor) -> torch.Tensor:
         return workload.loss(model, batch) / micro
 
+    if mode == REPLAYED:
+        import torch_xla_bridge
+
+        fwd = torch.compile(loss_of, backend=STEP_BACKEND_NAME)
+        opt_step = torch.compile(opt.step, backend=STEP_BACKEND_NAME) if compiled_opt else opt.step
+
+        # The batches are its arguments: a tensor it read from outside would keep it traced.
+        @torch_xla_bridge.replayed_step
+        def whole(*flat: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=set_to_none)
+            for i in range(0, len(flat), len(batches[0])):
+                loss = fwd(*flat[i:i + len(batches[0])])
+                loss.backward()
+            opt_step()
+            return loss
+
+        flat = [t for batch in batches for t in batch]
+        return (lambda: whole(*flat)), model, opt
     if mode in DYNAMO_MODES:
         fwd = torch.compile(loss_of, backend=mode)
         opt_step = torch.compile(opt.step, backend=mode) if compiled_opt else opt.step

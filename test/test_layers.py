@@ -13,6 +13,7 @@ ALLOWED = {
         "fused_step", "accumulation", "rollback", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback",
         "spmd_tracing", "grad_sync", "in_flight", "host_scalars", "decompositions", "counting", "_private", "names",
     },
+    "replay": {"fused_step", "counting", "_private", "names"},
     "fused_step": {
         "accumulation", "rollback", "deferred", "dynamo_bridge", "optimizer_sync", "dynamo_fallback", "grad_sync",
         "in_flight", "counting", "_private", "names",

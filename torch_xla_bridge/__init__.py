@@ -10,8 +10,10 @@ the name resolvable without any import.
 from . import spmd_tracing
 from .backend import openxla_fused_grad, openxla_fused_step, register
 from .names import BACKEND_NAME, STEP_BACKEND_NAME
+from .replay import replayed_step
 
-__all__ = ["BACKEND_NAME", "STEP_BACKEND_NAME", "openxla_fused_grad", "openxla_fused_step", "register"]
+__all__ = ["BACKEND_NAME", "STEP_BACKEND_NAME", "openxla_fused_grad", "openxla_fused_step", "register",
+           "replayed_step"]
 __version__ = "0.1.0"
 
 register()

@@ -326,6 +326,7 @@ else:
     import torch_xla.core.xla_model as _xm
     import torch_xla.experimental.eager as _eager
     import torch_xla.runtime as _xr
+    import torch_xla.utils.buffer_donor_context  # noqa: F401  (bound below)
     from torch_xla._dynamo import config as dynamo_config
 
     def _xla(path: str, obj: Any = torch_xla) -> Any:
@@ -438,6 +439,56 @@ else:
         The formula is the lazy graph executor's (C++, not exposed to Python).
         """
         _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)
+
+    # Replaying a captured step (replay.py), as upstream's bridge replays an inference graph.
+    set_allow_execution: Callable[[bool], None] = _xla("_set_allow_execution", _XLAC)
+    run_cached_graph: Callable[[bytes, list], list] = _xla("_run_cached_graph", _XLAC)
+    _alias_with_buffer_donor_config = _xla("utils.buffer_donor_context.alias_with_buffer_donor_config")
+    _device_context = _xla("_get_device_context", _xm)
+
+    def program_inputs(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+        """The inputs of the program computing ``tensors``' pending IR, in program order: the lazy tensor id
+        each input's buffer was made for, and its device data."""
+        _xm.wait_device_ops()  # no input is a placeholder still in flight (see buffer_handles)
+        ids, values = _device_data_nodes(list(tensors))
+        return list(ids), list(values)
+
+    def cache_program(tensors: Sequence[torch.Tensor]) -> bytes:
+        """Compiles (or finds compiled) the program computing ``tensors``' pending IR without running it, its
+        inputs whose buffers are marked donors (:data:`set_buffer_donation`) donated to its outputs; returns
+        its hash, for :data:`run_cached_graph`."""
+        tensors = list(tensors)
+        with _alias_with_buffer_donor_config():
+            program = graph_hash(tensors)
+            warm_up_cache(tensors, [])
+        return program
+
+    _own_closures: "weakref.WeakSet[Callable[[], Any]]" = weakref.WeakSet()
+
+    def add_step_closure(fn: Callable[[], None]) -> None:
+        """``xm.add_step_closure(fn)``, remembered as this package's own (:func:`is_own_step_closure`)."""
+        _xm.add_step_closure(fn)
+        _own_closures.add(step_closures()[-1])
+
+    def is_own_step_closure(closure: Callable[[], Any]) -> bool:
+        """Whether a pending step closure was added by this package (a replayed step's capture tells the
+        user's, which only a traced step runs, from its own)."""
+        return closure in _own_closures
+
+    def step_closures() -> list:
+        """The default device's pending step closures (``xm.add_step_closure``), as torch_xla keeps them."""
+        context = _device_context()
+        if getattr(context, "step_closures", None) is None:
+            context.step_closures = []
+        return context.step_closures
+
+    def holds_lazy_tensor(t: torch.Tensor) -> bool:
+        """Whether ``t`` (an XLA tensor) wraps a lazy tensor now (not a fake or an undefined one)."""
+        try:
+            tensor_id(inner_value(t))
+        except RuntimeError:
+            return False
+        return True
 
 
 _matching_by_buffer = threading.local()

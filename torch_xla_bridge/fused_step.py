@@ -290,7 +290,7 @@ def _current_step() -> _Step:
         return step
     step = _Step()
     _open.add(step)
-    xm.add_step_closure(step.at_step_end)
+    _private.add_step_closure(step.at_step_end)
     return step
 
 

@@ -35,7 +35,6 @@ import os
 from typing import Iterable
 
 import torch
-import torch_xla.core.xla_model as xm
 
 from . import _private
 
@@ -58,7 +57,7 @@ def keep(tensors: Iterable[torch.Tensor]) -> None:
     if not with_data:
         return
     if not _captured:
-        xm.add_step_closure(_at_barrier)
+        _private.add_step_closure(_at_barrier)
     _captured.extend(with_data)
 
 

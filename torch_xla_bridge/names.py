@@ -46,5 +46,8 @@ USER_COMPUTATION_NAME = "xla::torch_xla_bridge_graph"
 ACCUMULATION_LOOP_NAME = "xla::torch_xla_bridge_accumulation"
 # Every fold of openxla_fused_step's micro-batches into one loop (one per backward from the second on).
 FOLD_COUNTER = "OpenxlaFusedStepFold"
+# Every replay of a captured step, and every capture (replay.py).
+REPLAY_COUNTER = "OpenxlaFusedStepReplay"
+REPLAY_CAPTURE_COUNTER = "OpenxlaFusedStepReplayCapture"
 # Every optimizer step whose micro-batches openxla_fused_step could not fold (it warned why, once per cause).
 UNFOLDED_COUNTER = "OpenxlaFusedStepUnfolded"

@@ -55,7 +55,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch_xla
-import torch_xla.core.xla_model as xm
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _private, counting, dynamo_fallback, grad_sync, in_flight, rollback
@@ -115,7 +114,7 @@ def _marker() -> _Trained:
         return marker
     marker = _Trained()
     _since_barrier.add(marker)
-    xm.add_step_closure(marker.at_barrier)
+    _private.add_step_closure(marker.at_barrier)
     return marker
 
 

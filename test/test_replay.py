@@ -1,0 +1,226 @@
+"""``@torch_xla_bridge.replayed_step``: a whole training step traced twice, captured, then replayed.
+
+Asserted: after warm-up each call is a replay (no retrace, one execution, nothing compiled), with the
+numerics of the traced fused step bitwise and of eager CPU within 1e-6; each invalidation named in
+torch_xla_bridge/replay.py either retraces (counted, one warning naming the cause) or keeps the step
+traced on every call, never a wrong replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+import torch_xla_bridge
+from torch_xla_bridge import counting, names
+
+WIDTH, BATCH, STEPS = 32, 8, 8
+# Eager CPU beside XLA: float rounding only.
+CPU_ATOL = 1e-6
+
+
+def model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Dropout(dropout), nn.Linear(WIDTH, 1))
+
+
+def batches(n: int, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, WIDTH, generator=g), torch.randn(batch, 1, generator=g)) for _ in range(n)]
+
+
+def trainer(m: nn.Module, lr: float = 0.05) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+    """The loop as users write it: model compiled with the fused step, eager SGD with momentum."""
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+    fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(fwd(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, opt
+
+
+def run(step: Callable[..., torch.Tensor], data: list, dev: Any) -> tuple[list[float], list[int]]:
+    """Losses and executions per call."""
+    losses, per_call = [], []
+    for x, y in data:
+        start = counting.executions()
+        loss = step(x.to(dev), y.to(dev))
+        xm.wait_device_ops()
+        per_call.append(counting.executions() - start)
+        losses.append(loss.item())
+    return losses, per_call
+
+
+def params(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().cpu() for p in m.parameters()]
+
+
+@pytest.fixture
+def dev() -> Any:
+    torch._dynamo.reset()
+    return torch_xla.device()
+
+
+def test_replays_after_warm_up_bitwise_as_the_traced_step_and_as_eager_cpu(dev: Any) -> None:
+    data = batches(STEPS)
+    cpu = model()
+    traced_model, replayed_model = copy.deepcopy(cpu).to(dev), copy.deepcopy(cpu).to(dev)
+    traced_step, _ = trainer(traced_model)
+    traced, _ = run(traced_step, data, dev)
+
+    step, _ = trainer(replayed_model)
+    replayed = torch_xla_bridge.replayed_step(step)
+    replay_count = counting.counter(names.REPLAY_COUNTER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        losses, per_call = run(replayed, data[:4], dev)
+        compiles = counting.counter(names.UNCACHED_COMPILE_COUNTER)
+        more, more_calls = run(replayed, data[4:], dev)
+    losses += more
+    # Two traced calls, a third traced and captured, then replays: one execution each, nothing compiled.
+    assert (replayed.calls, replayed.captures, replayed.replays) == (STEPS, 1, STEPS - 3)
+    assert counting.counter(names.REPLAY_COUNTER) - replay_count == STEPS - 3
+    assert per_call[2:] + more_calls == [1] * (STEPS - 2), per_call + more_calls
+    assert counting.counter(names.UNCACHED_COMPILE_COUNTER) == compiles
+    assert losses == traced
+    assert all(torch.equal(a, b) for a, b in zip(params(replayed_model), params(traced_model)))
+
+    opt = torch.optim.SGD(cpu.parameters(), lr=0.05, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        F.mse_loss(cpu(x), y).backward()
+        opt.step()
+    assert max((a - b.detach()).abs().max().item() for a, b in zip(params(replayed_model), cpu.parameters())) \
+        <= CPU_ATOL
+
+
+def _warned(fn: Callable[[], Any]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "replayed step" in str(w.message)]
+
+
+def test_a_new_batch_shape_is_captured_again_and_named(dev: Any) -> None:
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    step, _ = trainer(m)
+    replayed = torch_xla_bridge.replayed_step(step)
+    data = batches(4) + batches(3, batch=2 * BATCH)
+    messages = _warned(lambda: run(replayed, data, dev))
+    # Calls 1-2 traced, 3 captured, 4 replayed; 5 (new shape) captured again, 6-7 replayed.
+    assert (replayed.captures, replayed.replays) == (2, 3), (replayed.captures, replayed.replays)
+    assert any("traced again: its arguments changed" in m for m in messages), messages
+    traced_step, _ = trainer(traced_model)
+    run(traced_step, data, dev)
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+def test_a_changed_learning_rate_is_traced_again_never_replayed_stale(dev: Any) -> None:
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    step, opt = trainer(m)
+    replayed = torch_xla_bridge.replayed_step(step)
+    data = batches(6)
+
+    def with_decay(fn: Callable, o: torch.optim.Optimizer) -> None:
+        for i, (x, y) in enumerate(data):
+            if i == 4:
+                o.param_groups[0]["lr"] = 0.01
+            fn(x.to(dev), y.to(dev))
+
+    messages = _warned(lambda: with_decay(replayed, opt))
+    assert any("an optimizer's parameters or hyperparameters changed" in m for m in messages), messages
+    assert replayed.captures == 2
+    traced_step, traced_opt = trainer(traced_model)
+    with_decay(traced_step, traced_opt)
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+@pytest.mark.parametrize("case", ["dropout", "side_effect", "step_closure"])
+def test_what_cannot_be_replayed_is_traced_on_every_call_with_one_warning(dev: Any, case: str) -> None:
+    def loop(decorate: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, list[str]]:
+        m = model(dropout=0.5 if case == "dropout" else 0.0).to(dev)
+        torch.manual_seed(2)
+        xm.set_rng_state(2)
+        step, _ = trainer(m)
+        kept: list[torch.Tensor] = []
+
+        def with_side_effect(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = step(x, y)
+            if case == "side_effect":
+                kept.append(loss * 2)  # a pending tensor the step keeps outside it
+            elif case == "step_closure":
+                xm.add_step_closure(lambda: kept.append(torch.zeros(())))
+            return loss
+
+        fn = torch_xla_bridge.replayed_step(with_side_effect) if decorate else with_side_effect
+        messages = _warned(lambda: run(fn, batches(5), dev))
+        torch_xla.sync()  # the last call's closure runs at the next cut
+        return params(m), kept, fn, messages
+
+    traced_params, traced_kept, _, _ = loop(decorate=False)
+    got_params, kept, replayed, messages = loop(decorate=True)
+    cause = {"dropout": "draws random numbers", "side_effect": "pending tensors that are neither state",
+             "step_closure": "adds step closures"}[case]
+    assert [m for m in messages if "not replayed" in m] and all(cause in m for m in messages), messages
+    assert replayed.replays == 0 and replayed.captures == 1, (replayed.replays, replayed.captures)
+    # Exactly what the undecorated loop does: its side effects, its random numbers.
+    assert len(kept) == len(traced_kept)
+    assert all(torch.equal(a, b) for a, b in zip(got_params, traced_params))
+
+
+def test_micro_batches_and_a_compiled_optimizer_replay_bitwise(dev: Any) -> None:
+    # 3 micro-batches per step (folded into one loop by the fused step), the optimizer step compiled.
+    micro, calls = 3, 6
+    data = batches(micro * calls)
+
+    def make(m: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        # The loss compiled with the model: the micro-batches fold into one loop.
+        loss_of = torch.compile(lambda x, y: F.mse_loss(m(x), y) / micro, backend=names.STEP_BACKEND_NAME)
+        opt_step = torch.compile(opt.step, backend=names.STEP_BACKEND_NAME)
+
+        def step(*flat: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            for i in range(0, len(flat), 2):
+                loss = loss_of(flat[i], flat[i + 1])
+                loss.backward()
+            opt_step()
+            return loss
+
+        return step
+
+    def loop(step: Callable[..., torch.Tensor]) -> tuple[list[float], list[tuple[int, int]]]:
+        """Losses, and executions and folds per call."""
+        losses, per_call = [], []
+        for c in range(calls):
+            flat = [t.to(dev) for x, y in data[c * micro:(c + 1) * micro] for t in (x, y)]
+            start, folds = counting.executions(), counting.counter(names.FOLD_COUNTER)
+            losses.append(step(*flat).item())
+            per_call.append((counting.executions() - start, counting.counter(names.FOLD_COUNTER) - folds))
+        return losses, per_call
+
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    traced, _ = loop(make(traced_model))
+    replayed = torch_xla_bridge.replayed_step(make(m))
+    losses, per_call = loop(replayed)
+    assert (replayed.captures, replayed.replays) == (1, calls - 3)
+    # Traced calls fold their micro-batches into one loop; a replay runs that loop's program: one execution.
+    assert per_call[1][1] == micro - 1 and per_call[3:] == [(1, 0)] * (calls - 3), per_call
+    assert losses == traced
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
