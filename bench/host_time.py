@@ -421,11 +421,15 @@ def main(argv: Iterable[str] | None = None) -> None:
         # Written as it goes: a later workload's crash keeps the earlier ones.
         (out / "host_time.json").write_text(json.dumps(report, indent=1))
     python = jax_python(args.jax_python)
+    if python is None:
+        report["jax_note"] = "jax not available"
     for w in report["workloads"]:
         shape = _mlp_shape(w["workload"])
         if shape is None:
             continue
-        jax_row = run_jax(python, counts, *shape) if python else dict(error="jax not available")
+        if python is None:
+            continue
+        jax_row = run_jax(python, counts, *shape)
         if "error" in jax_row:
             report["jax_note"] = jax_row["error"]
         else:
