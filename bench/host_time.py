@@ -425,9 +425,7 @@ def main(argv: Iterable[str] | None = None) -> None:
         report["jax_note"] = "jax not available"
     for w in report["workloads"]:
         shape = _mlp_shape(w["workload"])
-        if shape is None:
-            continue
-        if python is None:
+        if python is None or shape is None:
             continue
         jax_row = run_jax(python, counts, *shape)
         if "error" in jax_row:

@@ -110,7 +110,7 @@ class _Program:
     result: pytree.TreeSpec
     # Per leaf of the result: its output index, or the leaf itself (not a pending tensor).
     result_leaves: list[tuple[bool, Any]]
-    # The values the last replay replaced, released at the next (see _run).
+    # The values the last replay replaced, released at the next (see run).
     held: list = dataclasses.field(default_factory=list)
 
     def run(self, flat_args: Sequence[Any]) -> Any:
@@ -130,9 +130,6 @@ class _Program:
             # Written between calls (a hand-made update, a pending batch): synced first, as a traced step would.
             log.debug("replayed step: pending inputs synced before the replay")
             torch_xla.sync()
-        return self._run(inputs)
-
-    def _run(self, inputs: list[torch.Tensor]) -> Any:
         writes = [ref() for ref in self.writes]
         params = [ref() for ref in self.grads]
         if None in writes or None in params:
@@ -214,16 +211,13 @@ class ReplayedStep:
         _private.set_rng_seed(seed)
         xm.wait_device_ops()
         state, optimizers = _training_state()
-        known = {id(t) for t in state}
-        params = [t for t in state if t.is_leaf and t.requires_grad]
-        old_grads = {id(p): p.grad for p in params}
+        old_grads = {id(p): p.grad for p in state if p.is_leaf and p.requires_grad}
         # The state's values now, held while the call is traced: their buffers are not freed (and their
         # addresses not reused) before the program's inputs are matched to them.
         old = [_private.inner_value(t) for t in state]
-        by_id = {_private.tensor_id(v): t for v, t in zip(old, state)}
-        tensor_args = [(i, a) for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.is_xla]
-        arg_ids = {_private.tensor_id(_private.inner_value(a)): i for i, a in tensor_args}
-        seed, closures = _private.rng_seed(), len(_private.step_closures())
+        arg_ids = {_private.tensor_id(_private.inner_value(a)): i for i, a in enumerate(flat)
+                   if isinstance(a, torch.Tensor) and a.is_xla}
+        closures = len(_private.step_closures())
         _private.set_allow_execution(False)
         try:
             out = self.fn(*args)
@@ -237,8 +231,7 @@ class ReplayedStep:
         elif not all(map(_private.is_own_step_closure, _private.step_closures()[closures:])):
             cause = "the step adds step closures (xm.add_step_closure), which run only where a step is cut"
         else:
-            program, cause = _program_of(out, flat, key, state, known, old_grads, optimizers, old, by_id,
-                                         tensor_args, arg_ids)
+            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, arg_ids)
         del old
         # This call's step, cut as a traced one is (one execution; its closures run).
         fused_step.end_step()
@@ -249,11 +242,17 @@ class ReplayedStep:
         return out
 
 
-def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], known: set[int],
+def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
                 old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
-                old: list[torch.Tensor], by_id: dict[int, torch.Tensor], tensor_args: list[tuple[int, torch.Tensor]],
                 arg_ids: dict[int, int]) -> tuple[Optional["_Program"], str]:
-    """The captured program of a call traced with executions held back, or None and why it cannot be replayed."""
+    """The captured program of a call traced with executions held back, or None and why it cannot be replayed.
+
+    ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
+    each parameter's ``.grad`` then; ``arg_ids``: the lazy tensor id of each tensor argument's value then.
+    """
+    known = {id(t) for t in state}
+    by_id = {_private.tensor_id(v): t for v, t in zip(old, state)}
+    tensor_args = [(i, a) for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.is_xla]
     result_flat, result_spec = pytree.tree_flatten(out)
     results = [t for t in result_flat if isinstance(t, torch.Tensor) and t.is_xla and id(t) not in known]
     pending_state = [t for t, p in zip(*_pending(state)) if p]

@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import shutil
 import subprocess
-import warnings
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -209,10 +208,7 @@ def leaf_names(tensors: Sequence[torch.Tensor], names: Names = None) -> list[str
     if any(isinstance(t, nn.Parameter) for t in missing):
         best, best_hits = None, 0
         wanted = {id(t) for t in missing}
-        with warnings.catch_warnings():  # isinstance on deprecated module-level aliases warns
-            warnings.simplefilter("ignore")
-            modules = _private.live_objects(nn.Module)
-        for obj in modules:
+        for obj in _private.live_objects(nn.Module):  # (it silences isinstance's deprecation warnings)
             hits = sum(id(p) in wanted for p in obj.parameters())
             if hits > best_hits:
                 best, best_hits = obj, hits
