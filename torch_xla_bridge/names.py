@@ -49,5 +49,7 @@ FOLD_COUNTER = "OpenxlaFusedStepFold"
 # Every replay of a captured step, and every capture (replay.py).
 REPLAY_COUNTER = "OpenxlaFusedStepReplay"
 REPLAY_CAPTURE_COUNTER = "OpenxlaFusedStepReplayCapture"
+# The name of the program a captured step replays (its traced program, its state packed in flat buffers).
+REPLAY_PROGRAM_NAME = "xla::torch_xla_bridge_replayed_step"
 # Every optimizer step whose micro-batches openxla_fused_step could not fold (it warned why, once per cause).
 UNFOLDED_COUNTER = "OpenxlaFusedStepUnfolded"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import itertools
 import logging
 import types
 import warnings
@@ -46,7 +47,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from . import _private, counting, fused_step
-from .names import REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, STEP_BACKEND_NAME, VALIDATION_COUNTER
+from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PROGRAM_NAME, STEP_BACKEND_NAME,
+                    VALIDATION_COUNTER)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ WARMUP_CALLS = 2
 # Captures per decorated function (the first included) before it is always traced.
 MAX_CAPTURES = 8
 
-_ARG, _STATE, _CONSTANT = 0, 1, 2
+# Where a replayed program's input comes from.
+_FLAT, _ARG, _STATE, _CONSTANT = 0, 1, 2, 3
 
 
 def replayed_step(fn: Callable[..., Any]) -> "ReplayedStep":
@@ -69,9 +72,9 @@ def replayed_step(fn: Callable[..., Any]) -> "ReplayedStep":
     return functools.wraps(fn)(ReplayedStep(fn))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: watched in a WeakSet
 class _Guards:
-    """What a capture assumed, compared on every call (cheap: identities, shapes, Python numbers)."""
+    """What a capture assumed, checked on every call: identities, shapes, Python numbers (no tensor is read)."""
 
     args: tuple
     # Per optimizer: its parameters' identities and its hyperparameters (everything but the params).
@@ -79,11 +82,20 @@ class _Guards:
     # Each trained parameter's requires_grad.
     params: list[weakref.ref[torch.Tensor]]
     requires_grad: tuple
+    # Each packed .grad and the parameter it belongs to (p.grad is still that tensor).
+    grads: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]]
+    # Each optimizer state tensor the step reads or writes: (optimizer, parameter, key, tensor).
+    states: list[tuple[weakref.ref, weakref.ref, str, weakref.ref]]
+    # Set by a registration hook when a parameter, buffer or submodule is registered into (or replaced in) a
+    # module the step reads from (see _watch_modules).
+    modules_changed: bool = False
 
     def failed(self, args: tuple) -> Optional[str]:
         """Why this call cannot replay the capture, or None."""
         if args != self.args:
             return "its arguments changed (a new shape, dtype or non-tensor value)"
+        if self.modules_changed:
+            return "a parameter, buffer or submodule of the model was registered, replaced or set to None"
         for ref, snapshot in self.optimizers:
             optimizer = ref()
             if optimizer is None or _optimizer_snapshot(optimizer) != snapshot:
@@ -91,33 +103,77 @@ class _Guards:
                         "new value is a new capture, a program input only in a later version)")
         if tuple(_requires_grad(self.params)) != self.requires_grad:
             return "a parameter was replaced, or its requires_grad toggled"
+        for p, g in self.grads:
+            param = p()
+            if param is None or param.grad is not g() or param.grad is None:
+                return "a parameter's .grad was set to None or replaced outside the step"
+        for o, p, key, t in self.states:
+            optimizer, param = o(), p()
+            state = None if optimizer is None or param is None else optimizer.state.get(param)
+            if state is None or state.get(key) is not t() or state.get(key) is None:
+                return "an optimizer's state was replaced outside the step (e.g. load_state_dict)"
         return None
 
 
 @dataclasses.dataclass
 class _Program:
-    """One captured step: its cached program, its inputs' sources, and where its outputs go."""
+    """One captured step: its cached program, where its inputs come from and where its outputs go.
+
+    The tensors the step writes (parameters, optimizer state, ``.grad``) are
+    packed, once captured, into one flat buffer per dtype (``flats``), each a
+    view of its part: a replay reads the flat buffers and gives each its new
+    value, so its host cost does not grow with the number of tensors; a view
+    sees its new value when read (functionalization regenerates it then).
+    """
 
     graph_hash: bytes
     guards: _Guards
-    # Per program input: (_ARG, flat argument index) | (_STATE, weakref to the tensor) | (_CONSTANT, tensor).
+    # Per program input, in the program's order: (_FLAT, index in flats) | (_ARG, flat argument index) |
+    # (_STATE, weakref to the tensor) | (_CONSTANT, tensor).
     sources: list[tuple[int, Any]]
-    # Where, among the program's outputs, the tensors below take their values: the state tensors the step
-    # writes in place, then new .grad (by parameter), then results.
-    places: list[int]
-    writes: list[weakref.ref[torch.Tensor]]
-    grads: list[weakref.ref[torch.Tensor]]
+    # The written tensors of each flat buffer, in the buffer's order; packed by pack().
+    groups: list[list[weakref.ref[torch.Tensor]]]
     result: pytree.TreeSpec
-    # Per leaf of the result: its output index, or the leaf itself (not a pending tensor).
+    # Per leaf of the result: its output index (after the flat buffers), or the leaf itself (not a pending tensor).
     result_leaves: list[tuple[bool, Any]]
-    # The values the last replay replaced, released at the next (see run).
-    held: list = dataclasses.field(default_factory=list)
+    flats: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def pack(self) -> None:
+        """Packs each group's current values into its flat buffer (one execution) and makes every member a view
+        of its part (``.data``: the same tensor objects, parameters stay leaves)."""
+        members = [[ref() for ref in group] for group in self.groups]
+        if any(t is None for group in members for t in group):
+            raise _Stale("a tensor the step writes was freed")
+        with torch.no_grad():
+            self.flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in members]
+        torch_xla.sync()
+        for flat, group in zip(self.flats, members):
+            offset = 0
+            for t in group:
+                t.data = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+
+    def unpack(self) -> None:
+        """Gives every member a value of its own again, out of the flat buffers (one execution): a traced call
+        then sees the tensors the capture found."""
+        members = [t for group in self.groups for t in (ref() for ref in group) if t is not None]
+        if not self.flats:
+            return
+        with torch.no_grad():
+            for t in members:
+                t.data = t.detach().clone()
+        self.flats = []
+        torch_xla.sync()
 
     def run(self, flat_args: Sequence[Any]) -> Any:
-        """One replay: the program on the current inputs, its outputs given to the tensors they replace."""
+        """One replay: the program on the current inputs, the flat buffers given their new values."""
+        # A view written since (a load_state_dict's copy_) is applied to its flat buffer now.
+        _private.settle(self.flats)
         inputs = []
         for kind, source in self.sources:
-            if kind == _ARG:
+            if kind == _FLAT:
+                inputs.append(_private.inner_value(self.flats[source]))
+            elif kind == _ARG:
                 inputs.append(flat_args[source])
             elif kind == _STATE:
                 t = source()
@@ -130,27 +186,12 @@ class _Program:
             # Written between calls (a hand-made update, a pending batch): synced first, as a traced step would.
             log.debug("replayed step: pending inputs synced before the replay")
             torch_xla.sync()
-        writes = [ref() for ref in self.writes]
-        params = [ref() for ref in self.grads]
-        if None in writes or None in params:
-            raise _Stale("a tensor the step writes was freed")
-        # Releasing buffers costs host time (PJRT CPU: released while this replay's execution ran, they
-        # cost about a whole step, measured). The values the last replay replaced are released here,
-        # before this one launches (the device has had the time between calls); the values this one
-        # replaces, its inputs, are held until the next. (Donating them instead, as the traced step does,
-        # measured slower here: 19 ms per replay on bench's mlp32x256, against under 10.)
-        self.held = []
         outputs = _private.run_cached_graph(self.graph_hash, inputs)
-        outputs = [outputs[i] for i in self.places]
-        self.held = [_private.inner_value(t) for t in writes] + [p.grad for p in params]
-        for t, value in zip(writes, outputs):
-            _private.restore_value(t, _private.inner_value(value))
-        # Each tensor's functional storage takes the new value too: views (detach, .data) read it.
-        _private.settle(writes)
-        for p, grad in zip(params, outputs[len(writes):]):
-            p.grad = grad
-        first = len(writes) + len(params)
+        for flat, value in zip(self.flats, outputs):
+            _private.restore_value(flat, _private.inner_value(value))
+        _private.settle(self.flats)
         counting.bump(REPLAY_COUNTER)
+        first = len(self.flats)
         leaves = [outputs[first + v] if is_output else v for is_output, v in self.result_leaves]
         return pytree.tree_unflatten(leaves, self.result)
 
@@ -186,6 +227,7 @@ class ReplayedStep:
                 except _Stale as stale:
                     cause = str(stale)
             self._program = None
+            program.unpack()
             _warn_once(self.fn, f"traced again: {cause}")
         if self.traced_because is not None or self.calls <= WARMUP_CALLS:
             return self.fn(*args)
@@ -200,7 +242,7 @@ class ReplayedStep:
 
     def _capture(self, args: tuple, flat: list, key: tuple) -> Any:
         """Traces one call with executions held back, captures its program, then cuts the step as usual
-        (this call executes as a traced one does; the next call replays)."""
+        (this call executes as a traced one does, then packs the state it writes; the next call replays)."""
         if xr.is_spmd():
             self._always_trace("SPMD steps are not replayed yet")
             return self.fn(*args)
@@ -215,8 +257,6 @@ class ReplayedStep:
         # The state's values now, held while the call is traced: their buffers are not freed (and their
         # addresses not reused) before the program's inputs are matched to them.
         old = [_private.inner_value(t) for t in state]
-        arg_ids = {_private.tensor_id(_private.inner_value(a)): i for i, a in enumerate(flat)
-                   if isinstance(a, torch.Tensor) and a.is_xla}
         closures = len(_private.step_closures())
         _private.set_allow_execution(False)
         try:
@@ -231,28 +271,36 @@ class ReplayedStep:
         elif not all(map(_private.is_own_step_closure, _private.step_closures()[closures:])):
             cause = "the step adds step closures (xm.add_step_closure), which run only where a step is cut"
         else:
-            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, arg_ids)
+            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers)
         del old
         # This call's step, cut as a traced one is (one execution; its closures run).
         fused_step.end_step()
         if program is None:
             self._always_trace(cause)
-        else:
-            self._program = program
+            return out
+        try:
+            program.pack()
+        except _Stale as stale:
+            self._always_trace(str(stale))
+            return out
+        self._program = program
         return out
 
 
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
-                old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
-                arg_ids: dict[int, int]) -> tuple[Optional["_Program"], str]:
+                old_grads: dict[int, Optional[torch.Tensor]],
+                optimizers: list[torch.optim.Optimizer]) -> tuple[Optional["_Program"], str]:
     """The captured program of a call traced with executions held back, or None and why it cannot be replayed.
 
     ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
-    each parameter's ``.grad`` then; ``arg_ids``: the lazy tensor id of each tensor argument's value then.
+    each parameter's ``.grad`` then.
+
+    The program is the one the call's own cut compiles (the same outputs, in the order torch_xla syncs live
+    tensors: by lazy tensor id), embedded in one that slices its state inputs out of the flat buffers and
+    concatenates its state outputs into them (exact: slices and concatenation only), so that a replay computes
+    what the traced call does, bitwise.
     """
     known = {id(t) for t in state}
-    by_id = {_private.tensor_id(v): t for v, t in zip(old, state)}
-    tensor_args = [(i, a) for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.is_xla]
     result_flat, result_spec = pytree.tree_flatten(out)
     results = [t for t in result_flat if isinstance(t, torch.Tensor) and t.is_xla and id(t) not in known]
     pending_state = [t for t, p in zip(*_pending(state)) if p]
@@ -271,58 +319,154 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     if count:
         return None, (f"the step leaves {count} pending tensors that are neither state it writes nor its "
                       "result (e.g. losses kept in a list inside the step)")
-    # The program is the one the call's own cut compiles (the same outputs, in the order torch_xla syncs live
-    # tensors: by lazy tensor id), so that a replay computes what the traced call does, bitwise; the outputs
-    # only the step's machinery holds are computed and dropped, as there.
-    outputs = [*pending_state, *(p.grad for p in grad_params), *results]
+    # What the step writes: state in place, new .grad; each member of its dtype's flat buffer.
+    writes = [*pending_state, *(p.grad for p in grad_params)]
+    if any(t.is_sparse or not t.is_contiguous() for t in writes):
+        return None, "the step writes a sparse or non-contiguous tensor, which cannot be packed"
 
     def lazy_id(t: torch.Tensor) -> int:
         return _private.tensor_id(_private.inner_value(t))
 
-    # One output per lazy tensor (wrappers of one lazy tensor share it).
-    program = sorted({lazy_id(t): t for t in (*pending_live, *outputs)}.values(), key=lazy_id)
+    # One output per lazy tensor (wrappers of one lazy tensor share it), the outputs only the step's machinery
+    # holds included: the very program of the traced call.
+    program = sorted({lazy_id(t): t for t in (*pending_live, *writes, *results)}.values(), key=lazy_id)
     position = {lazy_id(t): i for i, t in enumerate(program)}
-    places = [position[lazy_id(t)] for t in outputs]
     inner = [_private.inner_value(t) for t in program]
     del live, pending_live, others, program
-    ids, values = _private.program_inputs(inner)
-    handles = dict(zip(_handles(old), state))
-    arg_handles = dict(zip(_handles([a for _, a in tensor_args]), (i for i, _ in tensor_args)))
-    sources: list[tuple[int, Any]] = []
-    for tensor_id, value, handle in zip(ids, values, _handles(values)):
-        if tensor_id in arg_ids or handle in arg_handles:
-            sources.append((_ARG, arg_ids.get(tensor_id, arg_handles.get(handle))))
-        elif tensor_id in by_id or handle in handles:
-            sources.append((_STATE, weakref.ref(by_id.get(tensor_id, handles.get(handle)))))
-        elif value.dim() == 0:
-            sources.append((_CONSTANT, value))  # a Python number of the trace, uploaded
-        else:
-            return None, (f"the step reads a tensor of shape {tuple(value.shape)} that is neither an argument, "
-                          "a module's parameter or buffer, nor optimizer state: pass it as an argument")
+    xm.wait_device_ops()  # the buffers below are assigned (a handle in flight is a placeholder's)
+    ctx = _private.LoweringContext("ReplayedStepBody")
+    ctx.build(inner)
+    body = _private.computation_from_module_proto("replayed_step_body", ctx.hlo())
+    parameters = ctx.device_parameter_id_tensor_mapping()
+    # Each parameter's source, by the buffer it reads: an argument first, then the state's values before the call.
+    source_of: dict[int, tuple[int, Any]] = {}
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Tensor) and a.is_xla:
+            source_of.setdefault(ctx.tensor_parameter_id(_private.inner_value(a)), (_ARG, i))
+    for t, value in zip(state, old):
+        source_of.setdefault(ctx.tensor_parameter_id(value), (_STATE, t))
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in writes:
+        groups.setdefault(t.dtype, []).append(t)
+    packed = list(groups.values())
+    where = {id(t): (g, offset) for g, group in enumerate(packed)
+             for offset, t in zip(itertools.accumulate((t.numel() for t in group), initial=0), group)}
+
+    xb = _private.xla_builder
+    builder = xb.create_builder("replayed_step")
+    sizes = [sum(t.numel() for t in group) for group in packed]
+    inputs = [xb.mkparam(builder, g, xb.mkshape(xb.Op.from_torch_type(group[0].dtype), [n]))
+              for g, (n, group) in enumerate(zip(sizes, packed))]
+    placeholders = [_private.create_placeholder_tensor([n], group[0].dtype) for n, group in zip(sizes, packed)]
+    sources: list[tuple[int, Any]] = [(_FLAT, g) for g in range(len(packed))]
+    body_args = []
+
+    def add_input(kind: int, source: Any, value: torch.Tensor) -> Any:
+        sources.append((kind, source))
+        placeholders.append(_private.create_placeholder_tensor(list(value.shape), value.dtype))
+        return xb.mkparam(builder, len(sources) - 1, xb.tensor_shape(placeholders[-1]))
+
+    for pid in range(len(parameters)):
+        value = parameters[pid]
+        kind, source = source_of.get(pid, (None, None))
+        if kind == _STATE and id(source) in where:
+            g, offset = where[id(source)]
+            body_args.append(inputs[g].slice_in_dim(offset, offset + source.numel(), 0).reshape(list(source.shape)))
+            continue
+        if kind == _STATE:
+            source = weakref.ref(source)
+        elif kind is None:
+            if value.dim() != 0:
+                return None, (f"the step reads a tensor of shape {tuple(value.shape)} that is neither an argument, "
+                              "a module's parameter or buffer, nor optimizer state: pass it as an argument")
+            kind, source = _CONSTANT, value  # a Python number of the trace, uploaded
+        body_args.append(add_input(kind, source, value))
+    # The traced program runs as one branch of a conditional on a predicate given at run time (always true):
+    # XLA compiles a branch on its own, so it fuses (and contracts multiply-adds) inside it as in the program
+    # the traced call runs, not across the slices and concatenations around it (XLA:CPU removes optimization
+    # barriers before fusing; a call is inlined). That keeps a replay bitwise.
+    with torch.no_grad():
+        true = torch.ones((), dtype=torch.bool, device=parameters[0].device if parameters else torch_xla.device())
+    predicate = add_input(_CONSTANT, true, true)
+
+    def taken(*args: Any) -> Any:
+        return xb.Op.call(body, args)
+
+    def not_taken(*args: Any) -> Any:
+        shapes = [xb.Shape(s) for s in xb.Op.call(body, args).shape().shape]
+        return [xb.Op.zero(args[0].builder(), s.dtype).broadcast(list(s.sizes)) for s in shapes]
+
+    step = predicate.mkconditional(body_args, taken, not_taken)
+    outputs = [xb.Op.concat_in_dim([step.get_tuple_element(position[lazy_id(t)]).reshape([t.numel()])
+                                    for t in group], 0) for group in packed]
+    outputs += [step.get_tuple_element(position[lazy_id(t)]) for t in results]
+    computation = xb.Op.tuple(outputs).build("replayed_step")
+    with torch.no_grad():
+        lazy = _private.user_computation(REPLAY_PROGRAM_NAME, placeholders, computation)
+    # The sources in the order of the cached program's inputs (torch_xla's, by its IR's device data).
+    order = {_private.tensor_id(p): i for i, p in enumerate(placeholders)}
+    ids, _ = _private.program_inputs(lazy)
+    sources = [sources[order[i]] for i in ids]
     launched = counting.launches()
-    graph_hash = _private.cache_program(inner)
+    graph_hash = _private.cache_program(lazy)
     # Compiled, not run: no launch in the step (the fused step would take it for a read; see counting.launches).
     _private.increment_counter(VALIDATION_COUNTER, counting.launches() - launched)
+    del lazy, placeholders, inner
     leaves: list[tuple[bool, Any]] = []
     index = {id(t): i for i, t in enumerate(results)}
     for leaf in result_flat:
         leaves.append((True, index[id(leaf)]) if id(leaf) in index else (False, leaf))
-    guards = _Guards(key, [(weakref.ref(o), _optimizer_snapshot(o)) for o in optimizers],
-                     [weakref.ref(p) for p in params], tuple(_requires_grad(params)))
-    log.debug("replayed step captured: %d inputs (%d arguments, %d constants), %d writes, %d new .grad, "
-              "%d results", len(sources), sum(k == _ARG for k, _ in sources),
-              sum(k == _CONSTANT for k, _ in sources), len(pending_state), len(grad_params), len(results))
-    return _Program(graph_hash, guards, sources, places, [weakref.ref(t) for t in pending_state],
-                    [weakref.ref(p) for p in grad_params], result_spec, leaves), ""
+    members = {id(t) for t in writes}
+    guards = _Guards(
+        key, [(weakref.ref(o), _optimizer_snapshot(o)) for o in optimizers],
+        [weakref.ref(p) for p in params], tuple(_requires_grad(params)),
+        [(weakref.ref(p), weakref.ref(p.grad)) for p in params if p.grad is not None and id(p.grad) in members],
+        [(weakref.ref(o), weakref.ref(p), k, weakref.ref(v)) for o in optimizers for p, st in o.state.items()
+         for k, v in st.items() if isinstance(v, torch.Tensor) and id(v) in known],
+    )
+    _watch_modules(guards, state)
+    log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants), %d tensors "
+              "written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
+              sum(k == _CONSTANT for k, _ in sources), len(writes), len(results))
+    return _Program(graph_hash, guards, sources, [[weakref.ref(t) for t in group] for group in packed],
+                    result_spec, leaves), ""
+
+
+# Modules a capture reads from -> the guards to fail when one of them registers or replaces a parameter, buffer
+# or submodule (torch's global registration hooks, installed once). Keyed weakly: it lives as long as they do.
+_watched: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
+    for guards in _watched.get(module, ()):
+        guards.modules_changed = True
+
+
+@functools.cache
+def _install_registration_hooks() -> None:
+    from torch.nn.modules import module as nn_module
+
+    nn_module.register_module_parameter_registration_hook(_on_registration)
+    nn_module.register_module_buffer_registration_hook(_on_registration)
+    nn_module.register_module_module_registration_hook(_on_registration)
+
+
+def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor]) -> None:
+    """Fails ``guards`` when a live module holding any of ``state``, or one containing such a module, registers
+    or replaces a parameter, buffer or submodule (``model.fc = nn.Linear(...)``, ``Sequential.append``)."""
+    _install_registration_hooks()
+    ids = {id(t) for t in state}
+    modules = _private.live_objects(torch.nn.Module)
+    holders = {id(m) for m in modules
+               if any(id(t) in ids for t in (*m._parameters.values(), *m._buffers.values()))}
+    for m in modules:
+        if any(id(sub) in holders for sub in m.modules()):
+            _watched.setdefault(m, weakref.WeakSet()).add(guards)
 
 
 def _held_by_python(t: torch.Tensor, ignore: Sequence[list]) -> bool:
     """Whether a Python object other than the lists in ``ignore`` (and frames) refers to ``t``."""
     return any(not (any(r is i for i in ignore) or isinstance(r, types.FrameType)) for r in gc.get_referrers(t))
-
-
-def _handles(tensors: Sequence[torch.Tensor]) -> list[int]:
-    return _private.buffer_handles([_private.inner_value(t) for t in tensors]) if tensors else []
 
 
 def _pending(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
