@@ -225,3 +225,138 @@ def test_micro_batches_and_a_compiled_optimizer_replay_bitwise(dev: Any) -> None
     assert per_call[1][1] == micro - 1 and per_call[3:] == [(1, 0)] * (calls - 3), per_call
     assert losses == traced
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+def _intervene(case: str, m: nn.Module, opt: torch.optim.Optimizer, fwd_eval: Callable, dev: Any) -> Any:
+    """A change made between two calls, as a user's loop makes it; returns what it computed, if anything."""
+    if case == "grad_set_to_none":
+        opt.zero_grad(set_to_none=True)
+    elif case == "optimizer_state_cleared":
+        opt.state.clear()
+    elif case == "parameter_replaced":
+        m[0].bias = nn.Parameter(torch.full((WIDTH,), 0.5, device=dev))
+    elif case == "requires_grad_toggled":
+        m[3].bias.requires_grad_(False)
+    elif case == "left_in_eval_mode":
+        m.eval()
+    elif case == "model_state_loaded":
+        m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
+    elif case == "evaluated":
+        m.eval()
+        with torch.no_grad():
+            out = fwd_eval(torch.ones(BATCH, WIDTH, device=dev)).cpu()
+        m.train()
+        return out
+    elif case == "parameters_read":
+        return [p.detach().cpu() for p in m.parameters()] + [g.cpu() for g in
+                                                             (p.grad for p in m.parameters())]
+    return None
+
+
+# Each change: whether the step is traced again after it (and the cause the warning names), or replays on.
+CHANGES = {
+    "grad_set_to_none": "a parameter's .grad was set to None",
+    "optimizer_state_cleared": "an optimizer's state was replaced",
+    "parameter_replaced": "a parameter, buffer or submodule of the model was registered",
+    "requires_grad_toggled": "its requires_grad toggled",
+    "left_in_eval_mode": "training flag changed",
+    "model_state_loaded": None,
+    "evaluated": None,
+    "parameters_read": None,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGES))
+def test_a_change_between_calls_is_seen_as_the_traced_loop_sees_it(dev: Any, case: str) -> None:
+    """Replays read the state as it is (written through its views); what a replay cannot honour retraces, named."""
+    calls, at = 7, 4  # calls 1-2 traced, 3 captured, 4 replayed, then the change, then calls 5-7
+
+    def loop(decorate: bool) -> tuple[list[float], list[torch.Tensor], Any, Any, list[str]]:
+        m = model().to(dev)
+        step, opt = trainer(m)
+        fwd_eval = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+        fn = torch_xla_bridge.replayed_step(step) if decorate else step
+        losses, seen = [], None
+
+        def go() -> None:
+            nonlocal seen
+            for i, (x, y) in enumerate(batches(calls)):
+                if i == at:
+                    seen = _intervene(case, m, opt, fwd_eval, dev)
+                losses.append(fn(x.to(dev), y.to(dev)).item())
+
+        messages = _warned(go)
+        return losses, params(m), seen, fn, messages
+
+    traced_losses, traced_params, traced_seen, _, _ = loop(decorate=False)
+    losses, got_params, seen, replayed, messages = loop(decorate=True)
+    cause = CHANGES[case]
+    if cause is None:
+        assert not messages, messages
+        assert (replayed.captures, replayed.replays) == (1, calls - 3)
+    else:
+        assert any("traced again: " in msg and cause in msg for msg in messages), messages
+        assert replayed.replays >= 1 and replayed.captures == 2, (replayed.replays, replayed.captures)
+    assert losses == traced_losses
+    assert all(torch.equal(a, b) for a, b in zip(got_params, traced_params))
+    if traced_seen is not None:
+        assert all(torch.equal(a, b) for a, b in zip(seen if isinstance(seen, list) else [seen],
+                                                     traced_seen if isinstance(traced_seen, list) else [traced_seen]))
+
+
+def test_set_to_none_steps_replay_bitwise(dev: Any) -> None:
+    def make(m: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(fwd(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    data = batches(6)
+    traced, _ = run(make(traced_model), data, dev)
+    replayed = torch_xla_bridge.replayed_step(make(m))
+    losses, per_call = run(replayed, data, dev)
+    assert (replayed.captures, replayed.replays) == (1, 3) and per_call[3:] == [1, 1, 1], per_call
+    assert losses == traced
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+    assert all(torch.equal(p.grad.cpu(), q.grad.cpu()) for p, q in zip(m.parameters(), traced_model.parameters()))
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_adamw_replays_with_its_step_count_on_the_device_and_is_traced_with_it_on_the_host(
+        dev: Any, capturable: bool) -> None:
+    """AdamW's step count is a CPU tensor unless capturable=True: its bias corrections are then constants of
+    the trace, which a replay would keep stale; so that step is traced on every call, and named."""
+    def make(m: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01, capturable=capturable)
+        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = F.mse_loss(fwd(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    data = batches(6)
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    traced, _ = run(make(traced_model), data, dev)
+    replayed = torch_xla_bridge.replayed_step(make(m))
+    messages = _warned(lambda: run(replayed, data, dev))
+    if capturable:
+        assert not messages and (replayed.captures, replayed.replays) == (1, 3), (messages, replayed.replays)
+    else:
+        assert replayed.replays == 0 and messages and all("optimizer state kept on the host" in m
+                                                          for m in messages), messages
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))

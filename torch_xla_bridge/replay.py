@@ -89,6 +89,8 @@ class _Guards:
     # Set by a registration hook when a parameter, buffer or submodule is registered into (or replaced in) a
     # module the step reads from (see _watch_modules).
     modules_changed: bool = False
+    # Those modules and their training flag (``model.eval()`` changes what the forward computes).
+    training: list[tuple[weakref.ref[torch.nn.Module], bool]] = dataclasses.field(default_factory=list)
 
     def failed(self, args: tuple) -> Optional[str]:
         """Why this call cannot replay the capture, or None."""
@@ -96,6 +98,8 @@ class _Guards:
             return "its arguments changed (a new shape, dtype or non-tensor value)"
         if self.modules_changed:
             return "a parameter, buffer or submodule of the model was registered, replaced or set to None"
+        if any(m() is None or m().training != flag for m, flag in self.training):
+            return "a module's training flag changed (model.train() / model.eval())"
         for ref, snapshot in self.optimizers:
             optimizer = ref()
             if optimizer is None or _optimizer_snapshot(optimizer) != snapshot:
@@ -258,6 +262,7 @@ class ReplayedStep:
         # addresses not reused) before the program's inputs are matched to them.
         old = [_private.inner_value(t) for t in state]
         closures = len(_private.step_closures())
+        host_state = _host_state(optimizers)
         _private.set_allow_execution(False)
         try:
             out = self.fn(*args)
@@ -270,6 +275,9 @@ class ReplayedStep:
             cause = "the step draws random numbers (dropout): a replay would draw the same ones"
         elif not all(map(_private.is_own_step_closure, _private.step_closures()[closures:])):
             cause = "the step adds step closures (xm.add_step_closure), which run only where a step is cut"
+        elif _host_state(optimizers) != host_state:
+            cause = ("the step changes optimizer state kept on the host (e.g. Adam's step count, a CPU tensor "
+                     "unless capturable=True), which a replay would leave as it was")
         else:
             program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers)
         del old
@@ -453,7 +461,8 @@ def _install_registration_hooks() -> None:
 
 def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor]) -> None:
     """Fails ``guards`` when a live module holding any of ``state``, or one containing such a module, registers
-    or replaces a parameter, buffer or submodule (``model.fc = nn.Linear(...)``, ``Sequential.append``)."""
+    or replaces a parameter, buffer or submodule (``model.fc = nn.Linear(...)``, ``Sequential.append``), or
+    changes its training flag."""
     _install_registration_hooks()
     ids = {id(t) for t in state}
     modules = _private.live_objects(torch.nn.Module)
@@ -462,6 +471,7 @@ def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor]) -> None:
     for m in modules:
         if any(id(sub) in holders for sub in m.modules()):
             _watched.setdefault(m, weakref.WeakSet()).add(guards)
+            guards.training.append((weakref.ref(m), m.training))
 
 
 def _held_by_python(t: torch.Tensor, ignore: Sequence[list]) -> bool:
@@ -502,6 +512,14 @@ def _training_state() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
             optimizers.append(optimizer)
             tensors.update((id(t), t) for t in held)
     return [t for t in tensors.values() if t.is_xla and _private.holds_lazy_tensor(t)], optimizers
+
+
+def _host_state(optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
+    """The optimizers' state that is not on the device: CPU tensors by identity and version, other values as
+    they are. A step that changes it runs Python a replay does not run (it computes its constants from it)."""
+    return tuple((id(p), k, (id(v), v._version) if isinstance(v, torch.Tensor) else v)
+                 for o in optimizers for p, st in o.state.items() for k, v in st.items()
+                 if not (isinstance(v, torch.Tensor) and v.is_xla))
 
 
 def _args_key(flat: Sequence[Any]) -> tuple:
