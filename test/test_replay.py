@@ -360,3 +360,26 @@ def test_adamw_replays_with_its_step_count_on_the_device_and_is_traced_with_it_o
         assert replayed.replays == 0 and messages and all("optimizer state kept on the host" in m
                                                           for m in messages), messages
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+def test_explain_reports_replays_captures_and_why_a_step_was_traced_again(dev: Any) -> None:
+    from torch_xla_bridge import explain
+
+    m = model().to(dev)
+    step, opt = trainer(m)
+    replayed = torch_xla_bridge.replayed_step(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with explain.explain() as ex:
+            for i, (x, y) in enumerate(batches(7)):
+                if i == 5:
+                    opt.param_groups[0]["lr"] = 0.01
+                replayed(x.to(dev), y.to(dev))
+    steps = ex.report.steps
+    assert [s.replays for s in steps] == [0, 0, 0, 1, 1, 0, 1], [s.replays for s in steps]
+    assert [s.total for s in steps[2:]] == [2, 1, 1, 3, 1], [s.total for s in steps]
+    capture, replay, retrace = steps[2], steps[3], steps[5]
+    assert "capture" in capture.executions[0].detail and "packed" in capture.executions[1].detail
+    assert replay.executions[0].detail.startswith("replayed step: the captured step's program")
+    assert "unpacked" in retrace.executions[0].detail
+    assert "traced again: an optimizer's parameters or hyperparameters changed" in retrace.executions[1].detail

@@ -442,7 +442,12 @@ else:
 
     # Replaying a captured step (replay.py), as upstream's bridge replays an inference graph.
     set_allow_execution: Callable[[bool], None] = _xla("_set_allow_execution", _XLAC)
-    run_cached_graph: Callable[[bytes, list], list] = _xla("_run_cached_graph", _XLAC)
+    _xla("_run_cached_graph", _XLAC)
+
+    def run_cached_graph(graph_hash: bytes, inputs: list) -> list:
+        """Runs a program cached by :func:`cache_program` on ``inputs`` (looked up per call: the explain tool
+        wraps it while it records)."""
+        return XLAC._run_cached_graph(graph_hash, inputs)
     _alias_with_buffer_donor_config = _xla("utils.buffer_donor_context.alias_with_buffer_donor_config")
     _device_context = _xla("_get_device_context", _xm)
 

@@ -49,6 +49,23 @@ FOLD_COUNTER = "OpenxlaFusedStepFold"
 # Every replay of a captured step, and every capture (replay.py).
 REPLAY_COUNTER = "OpenxlaFusedStepReplay"
 REPLAY_CAPTURE_COUNTER = "OpenxlaFusedStepReplayCapture"
+# Each time a replayed step packs the state it writes into flat buffers (after a capture), and each time it
+# unpacks it (before it is traced again): one execution each.
+REPLAY_PACK_COUNTER = "OpenxlaFusedStepReplayPack"
+REPLAY_UNPACK_COUNTER = "OpenxlaFusedStepReplayUnpack"
+# Why a replayed step was traced again: the counter bumped for each cause, and what its warning and explain say.
+REPLAY_RETRACE_CAUSES = {
+    "OpenxlaFusedStepRetraceArguments": "its arguments changed (a new shape, dtype or non-tensor value)",
+    "OpenxlaFusedStepRetraceModules": "a parameter, buffer or submodule of the model was registered, replaced or "
+    "set to None",
+    "OpenxlaFusedStepRetraceTraining": "a module's training flag changed (model.train() / model.eval())",
+    "OpenxlaFusedStepRetraceOptimizer": "an optimizer's parameters or hyperparameters changed (e.g. a scheduler's "
+    "lr: each new value is a new capture)",
+    "OpenxlaFusedStepRetraceRequiresGrad": "a parameter was replaced, or its requires_grad toggled",
+    "OpenxlaFusedStepRetraceGrad": "a parameter's .grad was set to None or replaced outside the step",
+    "OpenxlaFusedStepRetraceState": "an optimizer's state was replaced outside the step (e.g. load_state_dict)",
+    "OpenxlaFusedStepRetraceFreed": "a tensor the step reads or writes was freed",
+}
 # The name of the program a captured step replays (its traced program, its state packed in flat buffers).
 REPLAY_PROGRAM_NAME = "xla::torch_xla_bridge_replayed_step"
 # Every optimizer step whose micro-batches openxla_fused_step could not fold (it warned why, once per cause).

@@ -47,8 +47,9 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from . import _private, counting, fused_step
-from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PROGRAM_NAME, STEP_BACKEND_NAME,
-                    VALIDATION_COUNTER)
+from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
+                    REPLAY_UNPACK_COUNTER,
+                    REPLAY_RETRACE_CAUSES, STEP_BACKEND_NAME, VALIDATION_COUNTER)
 
 log = logging.getLogger(__name__)
 
@@ -93,29 +94,28 @@ class _Guards:
     training: list[tuple[weakref.ref[torch.nn.Module], bool]] = dataclasses.field(default_factory=list)
 
     def failed(self, args: tuple) -> Optional[str]:
-        """Why this call cannot replay the capture, or None."""
+        """Why this call cannot replay the capture (a key of ``REPLAY_RETRACE_CAUSES``), or None."""
         if args != self.args:
-            return "its arguments changed (a new shape, dtype or non-tensor value)"
+            return "OpenxlaFusedStepRetraceArguments"
         if self.modules_changed:
-            return "a parameter, buffer or submodule of the model was registered, replaced or set to None"
+            return "OpenxlaFusedStepRetraceModules"
         if any(m() is None or m().training != flag for m, flag in self.training):
-            return "a module's training flag changed (model.train() / model.eval())"
+            return "OpenxlaFusedStepRetraceTraining"
         for ref, snapshot in self.optimizers:
             optimizer = ref()
             if optimizer is None or _optimizer_snapshot(optimizer) != snapshot:
-                return ("an optimizer's parameters or hyperparameters changed (e.g. a scheduler's lr: each "
-                        "new value is a new capture, a program input only in a later version)")
+                return "OpenxlaFusedStepRetraceOptimizer"
         if tuple(_requires_grad(self.params)) != self.requires_grad:
-            return "a parameter was replaced, or its requires_grad toggled"
+            return "OpenxlaFusedStepRetraceRequiresGrad"
         for p, g in self.grads:
             param = p()
             if param is None or param.grad is not g() or param.grad is None:
-                return "a parameter's .grad was set to None or replaced outside the step"
+                return "OpenxlaFusedStepRetraceGrad"
         for o, p, key, t in self.states:
             optimizer, param = o(), p()
             state = None if optimizer is None or param is None else optimizer.state.get(param)
             if state is None or state.get(key) is not t() or state.get(key) is None:
-                return "an optimizer's state was replaced outside the step (e.g. load_state_dict)"
+                return "OpenxlaFusedStepRetraceState"
         return None
 
 
@@ -147,9 +147,10 @@ class _Program:
         of its part (``.data``: the same tensor objects, parameters stay leaves)."""
         members = [[ref() for ref in group] for group in self.groups]
         if any(t is None for group in members for t in group):
-            raise _Stale("a tensor the step writes was freed")
+            raise _Stale("OpenxlaFusedStepRetraceFreed")
         with torch.no_grad():
             self.flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in members]
+        counting.bump(REPLAY_PACK_COUNTER)
         torch_xla.sync()
         for flat, group in zip(self.flats, members):
             offset = 0
@@ -167,6 +168,7 @@ class _Program:
             for t in members:
                 t.data = t.detach().clone()
         self.flats = []
+        counting.bump(REPLAY_UNPACK_COUNTER)
         torch_xla.sync()
 
     def run(self, flat_args: Sequence[Any]) -> Any:
@@ -182,7 +184,7 @@ class _Program:
             elif kind == _STATE:
                 t = source()
                 if t is None:
-                    raise _Stale("a tensor the step reads was freed")
+                    raise _Stale("OpenxlaFusedStepRetraceFreed")
                 inputs.append(t)
             else:
                 inputs.append(source)
@@ -190,18 +192,18 @@ class _Program:
             # Written between calls (a hand-made update, a pending batch): synced first, as a traced step would.
             log.debug("replayed step: pending inputs synced before the replay")
             torch_xla.sync()
+        counting.bump(REPLAY_COUNTER)  # before the execution: explain tells a replay by it
         outputs = _private.run_cached_graph(self.graph_hash, inputs)
         for flat, value in zip(self.flats, outputs):
             _private.restore_value(flat, _private.inner_value(value))
         _private.settle(self.flats)
-        counting.bump(REPLAY_COUNTER)
         first = len(self.flats)
         leaves = [outputs[first + v] if is_output else v for is_output, v in self.result_leaves]
         return pytree.tree_unflatten(leaves, self.result)
 
 
 class _Stale(Exception):
-    """A capture no longer fits the live state."""
+    """A capture no longer fits the live state (its argument: a key of ``REPLAY_RETRACE_CAUSES``)."""
 
 
 class ReplayedStep:
@@ -221,33 +223,38 @@ class ReplayedStep:
         flat, _ = pytree.tree_flatten(args)
         key = _args_key(flat)
         program = self._program
+        retraced: Optional[str] = None
         if program is not None:
-            cause = program.guards.failed(key)
-            if cause is None:
+            retraced = program.guards.failed(key)
+            if retraced is None:
                 try:
                     out = program.run(flat)
                     self.replays += 1
                     return out
                 except _Stale as stale:
-                    cause = str(stale)
+                    retraced = str(stale)
             self._program = None
             program.unpack()
-            _warn_once(self.fn, f"traced again: {cause}")
-        if self.traced_because is not None or self.calls <= WARMUP_CALLS:
+            _warn_once(self.fn, f"traced again: {REPLAY_RETRACE_CAUSES[retraced]}")
+        if self.traced_because is not None or self.calls <= WARMUP_CALLS or self.captures >= MAX_CAPTURES:
+            if self.traced_because is None and self.captures >= MAX_CAPTURES:
+                self._always_trace(f"captured {MAX_CAPTURES} times: what changes between calls should be an input")
+            if retraced is not None:
+                counting.bump(retraced)
             return self.fn(*args)
-        if self.captures >= MAX_CAPTURES:
-            self._always_trace(f"captured {MAX_CAPTURES} times: what changes between calls should be an input")
-            return self.fn(*args)
-        return self._capture(args, flat, key)
+        return self._capture(args, flat, key, retraced)
 
     def _always_trace(self, cause: str) -> None:
         self.traced_because = cause
         _warn_once(self.fn, f"not replayed, traced on every call: {cause}")
 
-    def _capture(self, args: tuple, flat: list, key: tuple) -> Any:
+    def _capture(self, args: tuple, flat: list, key: tuple, retraced: Optional[str]) -> Any:
         """Traces one call with executions held back, captures its program, then cuts the step as usual
-        (this call executes as a traced one does, then packs the state it writes; the next call replays)."""
+        (this call executes as a traced one does, then packs the state it writes; the next call replays).
+        ``retraced``: why the call before was not a replay, if it was one (bumped where explain sees it)."""
         if xr.is_spmd():
+            if retraced is not None:
+                counting.bump(retraced)
             self._always_trace("SPMD steps are not replayed yet")
             return self.fn(*args)
         # Nothing pending before: what is pending after is this step's. A barrier advances the RNG seed: this
@@ -281,6 +288,8 @@ class ReplayedStep:
         else:
             program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers)
         del old
+        if retraced is not None:  # after the capture's own barrier: explain reads it at the cut
+            counting.bump(retraced)
         # This call's step, cut as a traced one is (one execution; its closures run).
         fused_step.end_step()
         if program is None:
@@ -289,7 +298,7 @@ class ReplayedStep:
         try:
             program.pack()
         except _Stale as stale:
-            self._always_trace(str(stale))
+            self._always_trace(REPLAY_RETRACE_CAUSES[str(stale)])
             return out
         self._program = program
         return out

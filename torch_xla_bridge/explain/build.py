@@ -31,6 +31,11 @@ from ..names import (
     FRESH_STATE_COUNTER,
     INPUT_SYNC_COUNTER,
     OPTIMIZER_SYNC_COUNTER,
+    REPLAY_CAPTURE_COUNTER,
+    REPLAY_COUNTER,
+    REPLAY_PACK_COUNTER,
+    REPLAY_RETRACE_CAUSES,
+    REPLAY_UNPACK_COUNTER,
     STEP_COUNTER,
     SYNC_COUNTER,
     UNFOLDED_COUNTER,
@@ -41,7 +46,8 @@ from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 # The counters a report sums over the run (report.metrics, besides ExecuteTime).
 COUNTED = (
     INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER,
-    FOLD_COUNTER, UNFOLDED_COUNTER, *COMPILE_COUNTERS
+    FOLD_COUNTER, UNFOLDED_COUNTER, *COMPILE_COUNTERS, REPLAY_COUNTER, REPLAY_CAPTURE_COUNTER, REPLAY_PACK_COUNTER,
+    REPLAY_UNPACK_COUNTER, *REPLAY_RETRACE_CAUSES,
 )
 # Causes whose execution opens a new step when the current one is complete.
 _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
@@ -53,8 +59,26 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     The package's own syncs are recognized by the counter the core bumps
     right before each (``call.counters``), never by its function names.
     """
+    cause, detail = _classify(call)
+    signal = call.counters.get
+    for counter, why in REPLAY_RETRACE_CAUSES.items():
+        if signal(counter):
+            detail += f"; a replayed step traced again: {why}"
+    if signal(REPLAY_CAPTURE_COUNTER):
+        detail += "; a replayed step's capture (traced once more, its program kept for the calls after)"
+    return cause, detail
+
+
+def _is_replay(call: ev.CallStarted) -> bool:
+    return call.entry == ev.RUN_CACHED_GRAPH and bool(call.counters.get(REPLAY_COUNTER))
+
+
+def _classify(call: ev.CallStarted) -> tuple[Cause, str]:
     signal = call.counters.get
     target = _target(call)
+    if _is_replay(call):
+        return (Cause.MARK_STEP, "replayed step: the captured step's program on this call's batch and state, "
+                "one execution, nothing traced (forward, backward, optimizer)")
     if call.entry == ev.RUN_CACHED_GRAPH:
         if call.in_backward:
             return Cause.BACKWARD, "compiled backward graph (dynamo bridge)"
@@ -62,6 +86,10 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
             return Cause.OPTIMIZER, "compiled optimizer step (dynamo bridge)"
         return Cause.FORWARD, "compiled graph (dynamo bridge)"
     if call.entry == ev.STEP_MARKER:
+        if signal(REPLAY_PACK_COUNTER):
+            return Cause.OTHER, "replayed step: the state it writes packed into flat buffers, once after its capture"
+        if signal(REPLAY_UNPACK_COUNTER):
+            return Cause.OTHER, "replayed step: its state unpacked from the flat buffers, once before it is traced again"
         if signal(STEP_COUNTER):
             return (
                 Cause.MARK_STEP,
@@ -228,6 +256,10 @@ class ReportBuilder:
         # compiled step into several graphs, with input syncs (and, under
         # openxla_fused_step, its cut) between them, all before its post-hook fires.
         opening = cause in _OPENING or (cause is Cause.MARK_STEP and self._state == "sync")
+        # A replay is a whole step: it opens one after any step that ended; after a replay, so does the unpacking
+        # of its state before the step is traced again.
+        opening = opening or (_is_replay(e) and self._state != "open")
+        opening = opening or bool(e.counters.get(REPLAY_UNPACK_COUNTER) and self._state == "sync")
         self._opening(opening and not e.in_optimizer)
 
     def _on_CallReturned(self, e: ev.CallReturned) -> None:
@@ -264,10 +296,11 @@ class ReportBuilder:
                 if x.cause is Cause.OTHER:
                     x.cause = Cause.GRAD_ACCUMULATION
         self._step.executions += new
+        self._step.replays += _is_replay(call)
         # A mark_step inside an optimizer step (openxla_fused_step's cut) is part of
         # that step, which its post-hook ends: it must not end the step itself.
         ends = self._state == "optimizer" or not self._optimizer_seen
-        if cause is Cause.MARK_STEP and not self._manual and not call.in_optimizer and ends:
+        if cause is Cause.MARK_STEP and not self._manual and not call.in_optimizer and (ends or _is_replay(call)):
             self._state = "sync"
 
     def _on_BackwardStarted(self, e: ev.BackwardStarted) -> None:
@@ -320,7 +353,7 @@ class ReportBuilder:
 
     def _close(self, force: bool = False) -> None:
         step, self._state = self._step, "open"
-        if not (step.backward_passes or step.optimizer_steps or (force and step.executions)):
+        if not (step.backward_passes or step.optimizer_steps or step.replays or (force and step.executions)):
             return  # set-up (data, a first sync): part of the next step
         self.report.steps.append(step)
         self._step = Step(step.number + 1)

@@ -228,6 +228,8 @@ class Step:
     optimizer_end: Optional[int] = None
     backward_passes: int = 0
     optimizer_steps: int = 0
+    # Replays of a captured step (replayed_step): the whole step, no backward pass or optimizer step traced.
+    replays: int = 0
     complete: bool = True
     # Functions dynamo gave up compiling in this step (recompile_limit), as "function: limit, guard".
     dynamo_gave_up: list[str] = dataclasses.field(default_factory=list)
@@ -252,6 +254,7 @@ class Step:
             "avoidable": len(self.avoidable),
             "backward_passes": self.backward_passes,
             "optimizer_steps": self.optimizer_steps,
+            "replays": self.replays,
             "pending_grads": list(self.pending_grads),
             "grads_in_cut": list(self.grads_in_cut),
             "optimizer_end": self.optimizer_end,
