@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -37,13 +37,15 @@ def batches(n: int, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(batch, WIDTH, generator=g), torch.randn(batch, 1, generator=g)) for _ in range(n)]
 
 
-def trainer(m: nn.Module, lr: float = 0.05) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """The loop as users write it: model compiled with the fused step, eager SGD with momentum."""
-    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+def trainer(m: nn.Module, lr: float = 0.05, optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+            set_to_none: bool = False) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+    """The loop as users write it: model compiled with the fused step, eager SGD with momentum (or
+    ``optimizer(parameters)``)."""
+    opt = optimizer(m.parameters()) if optimizer else torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
     fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         loss = F.mse_loss(fwd(x), y)
         loss.backward()
         opt.step()
@@ -306,17 +308,7 @@ def test_a_change_between_calls_is_seen_as_the_traced_loop_sees_it(dev: Any, cas
 
 def test_set_to_none_steps_replay_bitwise(dev: Any) -> None:
     def make(m: nn.Module) -> Callable[..., torch.Tensor]:
-        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(fwd(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        return step
+        return trainer(m, set_to_none=True)[0]
 
     m = model().to(dev)
     traced_model = copy.deepcopy(m)
@@ -336,17 +328,7 @@ def test_adamw_replays_with_its_step_count_on_the_device_and_is_traced_with_it_o
     """AdamW's step count is a CPU tensor unless capturable=True: its bias corrections are then constants of
     the trace, which a replay would keep stale; so that step is traced on every call, and named."""
     def make(m: nn.Module) -> Callable[..., torch.Tensor]:
-        opt = torch.optim.AdamW(m.parameters(), lr=0.01, capturable=capturable)
-        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad(set_to_none=False)
-            loss = F.mse_loss(fwd(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        return step
+        return trainer(m, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01, capturable=capturable))[0]
 
     data = batches(6)
     m = model().to(dev)
