@@ -331,8 +331,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     live = _live_xla_tensors()
     pending_live = [t for t, p in zip(*_pending(live)) if p]
     others = [t for t in pending_live if id(t) not in accounted]
-    # (A list, not a generator: a running generator refers to its item.)
-    count = len([t for t in others if _held_by_python(t, ignore=(live, pending_live, others))])
+    count = _held_by_python(others, ignore=(live, pending_live, others))
     if count:
         return None, (f"the step leaves {count} pending tensors that are neither state it writes nor its "
                       "result (e.g. losses kept in a list inside the step)")
@@ -483,9 +482,16 @@ def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor]) -> None:
             guards.training.append((weakref.ref(m), m.training))
 
 
-def _held_by_python(t: torch.Tensor, ignore: Sequence[list]) -> bool:
-    """Whether a Python object other than the lists in ``ignore`` (and frames) refers to ``t``."""
-    return any(not (any(r is i for i in ignore) or isinstance(r, types.FrameType)) for r in gc.get_referrers(t))
+def _held_by_python(tensors: list[torch.Tensor], ignore: Sequence[list]) -> int:
+    """How many of ``tensors`` a Python object other than the lists in ``ignore`` (and frames) refers to.
+
+    One scan of the heap for all of them (``gc.get_referrers`` walks every tracked object per call)."""
+    if not tensors:
+        return 0
+    holders = [r for r in gc.get_referrers(*tensors)
+               if not (any(r is i for i in ignore) or isinstance(r, types.FrameType))]
+    ids = {id(t) for t in tensors}
+    return len({id(x) for r in holders for x in gc.get_referents(r) if id(x) in ids})
 
 
 def _pending(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
