@@ -365,3 +365,41 @@ def test_explain_reports_replays_captures_and_why_a_step_was_traced_again(dev: A
     assert replay.executions[0].detail.startswith("replayed step: the captured step's program")
     assert "unpacked" in retrace.executions[0].detail
     assert "traced again: an optimizer's parameters or hyperparameters changed" in retrace.executions[1].detail
+
+
+def test_a_hugging_face_gpt2_with_tied_weights_replays_bitwise(dev: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def make() -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+        torch.manual_seed(0)
+        m = transformers.GPT2LMHeadModel(config).to(dev)
+        m.tie_weights()  # tied on the device too: one parameter read by the embedding and the head
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        loss_of = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, backend=names.STEP_BACKEND_NAME)
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = loss_of(ids)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return m, step
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(6)]
+    traced_model, traced_step = make()
+    m, step = make()
+    assert m.transformer.wte.weight is m.lm_head.weight
+    replayed = torch_xla_bridge.replayed_step(step)
+    traced = [traced_step(ids.to(dev)).item() for ids in data]
+    losses, per_call = [], []
+    for ids in data:
+        start = counting.executions()
+        losses.append(replayed(ids.to(dev)).item())
+        per_call.append(counting.executions() - start)
+    assert (replayed.captures, replayed.replays) == (1, 3) and per_call[3:] == [1, 1, 1], per_call
+    assert losses == traced
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
