@@ -11,21 +11,24 @@ its cut compiles (every pending tensor, in torch_xla's order, so the very
 program a traced call runs), where each input comes from (an argument by
 position, a module's or optimizer's tensor by reference, or a Python
 number of the trace), and which outputs become the state it writes, new
-``.grad`` and its results; then the step is cut as usual. From then on a
-call checks its guards, runs the cached program on the current inputs
-(torch_xla's ``_run_cached_graph``, as its dynamo bridge replays an
-inference graph) and gives each written tensor its new value: no tracing,
-no autograd engine, no walk of live tensors.
+``.grad`` and its results; then the step is cut as usual, and the tensors
+it writes are packed into flat buffers, each a view of its part. From then
+on a call checks its guards, runs one cached program on the flat buffers
+and the arguments (torch_xla's ``_run_cached_graph``, as its dynamo bridge
+replays an inference graph) and gives each flat buffer its new value: no
+tracing, no autograd engine, no walk of live tensors, no work per tensor
+but the guards.
 
 Invariants: a replay computes what tracing the call computes, bitwise (the
-same program); a call whose guards fail is traced again (counted, warned
-once per cause) and captured anew, at most ``MAX_CAPTURES`` times, after
-which the step is always traced; what cannot be replayed safely (a step
-that draws random numbers, adds step closures, keeps pending tensors
-outside its state and results, reads a tensor from outside, runs under
-SPMD) is traced on every call, with one warning naming the cause. The
-decorated function holds its program and, weakly, the state it reads and
-writes.
+traced program, embedded as a conditional's branch so XLA fuses it alike);
+a call whose guards fail unpacks the state and is traced again (counted,
+warned once per cause) and captured anew, at most ``MAX_CAPTURES`` times,
+after which the step is always traced; what cannot be replayed safely (a
+step that draws random numbers, adds step closures, changes optimizer
+state kept on the host, keeps pending tensors outside its state and
+results, reads a tensor from outside, runs under SPMD) is traced on every
+call, with one warning naming the cause. The decorated function holds its
+program and flat buffers, and, weakly, the tensors it reads and writes.
 """
 
 from __future__ import annotations
