@@ -54,17 +54,24 @@ REPLAY_CAPTURE_COUNTER = "OpenxlaFusedStepReplayCapture"
 REPLAY_PACK_COUNTER = "OpenxlaFusedStepReplayPack"
 REPLAY_UNPACK_COUNTER = "OpenxlaFusedStepReplayUnpack"
 # Why a replayed step was traced again: the counter bumped for each cause, and what its warning and explain say.
+RETRACE_ARGUMENTS = "OpenxlaFusedStepRetraceArguments"
+RETRACE_MODULES = "OpenxlaFusedStepRetraceModules"
+RETRACE_TRAINING = "OpenxlaFusedStepRetraceTraining"
+RETRACE_OPTIMIZER = "OpenxlaFusedStepRetraceOptimizer"
+RETRACE_REQUIRES_GRAD = "OpenxlaFusedStepRetraceRequiresGrad"
+RETRACE_GRAD = "OpenxlaFusedStepRetraceGrad"
+RETRACE_STATE = "OpenxlaFusedStepRetraceState"
+RETRACE_FREED = "OpenxlaFusedStepRetraceFreed"
 REPLAY_RETRACE_CAUSES = {
-    "OpenxlaFusedStepRetraceArguments": "its arguments changed (a new shape, dtype or non-tensor value)",
-    "OpenxlaFusedStepRetraceModules": "a parameter, buffer or submodule of the model was registered, replaced or "
-    "set to None",
-    "OpenxlaFusedStepRetraceTraining": "a module's training flag changed (model.train() / model.eval())",
-    "OpenxlaFusedStepRetraceOptimizer": "an optimizer's parameters or hyperparameters changed (e.g. a scheduler's "
-    "lr: each new value is a new capture)",
-    "OpenxlaFusedStepRetraceRequiresGrad": "a parameter was replaced, or its requires_grad toggled",
-    "OpenxlaFusedStepRetraceGrad": "a parameter's .grad was set to None or replaced outside the step",
-    "OpenxlaFusedStepRetraceState": "an optimizer's state was replaced outside the step (e.g. load_state_dict)",
-    "OpenxlaFusedStepRetraceFreed": "a tensor the step reads or writes was freed",
+    RETRACE_ARGUMENTS: "its arguments changed (a new shape, dtype or non-tensor value)",
+    RETRACE_MODULES: "a parameter, buffer or submodule of the model was registered, replaced or set to None",
+    RETRACE_TRAINING: "a module's training flag changed (model.train() / model.eval())",
+    RETRACE_OPTIMIZER: "an optimizer's parameters or hyperparameters changed (e.g. a scheduler's lr: each new "
+    "value is a new capture)",
+    RETRACE_REQUIRES_GRAD: "a parameter was replaced, or its requires_grad toggled",
+    RETRACE_GRAD: "a parameter's .grad was set to None or replaced outside the step",
+    RETRACE_STATE: "an optimizer's state was replaced outside the step (e.g. load_state_dict)",
+    RETRACE_FREED: "a tensor the step reads or writes was freed",
 }
 # The name of the program a captured step replays (its traced program, its state packed in flat buffers).
 REPLAY_PROGRAM_NAME = "xla::torch_xla_bridge_replayed_step"

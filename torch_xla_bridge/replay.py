@@ -51,8 +51,9 @@ import torch_xla.runtime as xr
 
 from . import _private, counting, fused_step
 from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
-                    REPLAY_UNPACK_COUNTER,
-                    REPLAY_RETRACE_CAUSES, STEP_BACKEND_NAME, VALIDATION_COUNTER)
+                    REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
+                    RETRACE_MODULES, RETRACE_OPTIMIZER, RETRACE_REQUIRES_GRAD, RETRACE_STATE, RETRACE_TRAINING,
+                    STEP_BACKEND_NAME, VALIDATION_COUNTER)
 
 log = logging.getLogger(__name__)
 
@@ -99,26 +100,26 @@ class _Guards:
     def failed(self, args: tuple) -> Optional[str]:
         """Why this call cannot replay the capture (a key of ``REPLAY_RETRACE_CAUSES``), or None."""
         if args != self.args:
-            return "OpenxlaFusedStepRetraceArguments"
+            return RETRACE_ARGUMENTS
         if self.modules_changed:
-            return "OpenxlaFusedStepRetraceModules"
+            return RETRACE_MODULES
         if any(m() is None or m().training != flag for m, flag in self.training):
-            return "OpenxlaFusedStepRetraceTraining"
+            return RETRACE_TRAINING
         for ref, snapshot in self.optimizers:
             optimizer = ref()
             if optimizer is None or _optimizer_snapshot(optimizer) != snapshot:
-                return "OpenxlaFusedStepRetraceOptimizer"
+                return RETRACE_OPTIMIZER
         if tuple(_requires_grad(self.params)) != self.requires_grad:
-            return "OpenxlaFusedStepRetraceRequiresGrad"
+            return RETRACE_REQUIRES_GRAD
         for p, g in self.grads:
             param = p()
             if param is None or param.grad is not g() or param.grad is None:
-                return "OpenxlaFusedStepRetraceGrad"
+                return RETRACE_GRAD
         for o, p, key, t in self.states:
             optimizer, param = o(), p()
             state = None if optimizer is None or param is None else optimizer.state.get(param)
             if state is None or state.get(key) is not t() or state.get(key) is None:
-                return "OpenxlaFusedStepRetraceState"
+                return RETRACE_STATE
         return None
 
 
@@ -150,7 +151,7 @@ class _Program:
         of its part (``.data``: the same tensor objects, parameters stay leaves)."""
         members = [[ref() for ref in group] for group in self.groups]
         if any(t is None for group in members for t in group):
-            raise _Stale("OpenxlaFusedStepRetraceFreed")
+            raise _Stale(RETRACE_FREED)
         with torch.no_grad():
             self.flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in members]
         counting.bump(REPLAY_PACK_COUNTER)
@@ -164,9 +165,9 @@ class _Program:
     def unpack(self) -> None:
         """Gives every member a value of its own again, out of the flat buffers (one execution): a traced call
         then sees the tensors the capture found."""
-        members = [t for group in self.groups for t in (ref() for ref in group) if t is not None]
         if not self.flats:
             return
+        members = [t for group in self.groups for t in (ref() for ref in group) if t is not None]
         with torch.no_grad():
             for t in members:
                 t.data = t.detach().clone()
@@ -187,7 +188,7 @@ class _Program:
             elif kind == _STATE:
                 t = source()
                 if t is None:
-                    raise _Stale("OpenxlaFusedStepRetraceFreed")
+                    raise _Stale(RETRACE_FREED)
                 inputs.append(t)
             else:
                 inputs.append(source)
@@ -266,7 +267,7 @@ class ReplayedStep:
         torch_xla.sync()
         _private.set_rng_seed(seed)
         xm.wait_device_ops()
-        state, optimizers = _training_state()
+        state, optimizers, modules = _training_state()
         old_grads = {id(p): p.grad for p in state if p.is_leaf and p.requires_grad}
         # The state's values now, held while the call is traced: their buffers are not freed (and their
         # addresses not reused) before the program's inputs are matched to them.
@@ -289,7 +290,7 @@ class ReplayedStep:
             cause = ("the step changes optimizer state kept on the host (e.g. Adam's step count, a CPU tensor "
                      "unless capturable=True), which a replay would leave as it was")
         else:
-            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers)
+            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, modules)
         del old
         if retraced is not None:  # after the capture's own barrier: explain reads it at the cut
             counting.bump(retraced)
@@ -308,12 +309,12 @@ class ReplayedStep:
 
 
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
-                old_grads: dict[int, Optional[torch.Tensor]],
-                optimizers: list[torch.optim.Optimizer]) -> tuple[Optional["_Program"], str]:
+                old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
+                modules: list[torch.nn.Module]) -> tuple[Optional["_Program"], str]:
     """The captured program of a call traced with executions held back, or None and why it cannot be replayed.
 
     ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
-    each parameter's ``.grad`` then.
+    each parameter's ``.grad`` then; ``modules``: the live modules.
 
     The program is the one the call's own cut compiles (the same outputs, in the order torch_xla syncs live
     tensors: by lazy tensor id), embedded in one that slices its state inputs out of the flat buffers and
@@ -411,8 +412,9 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     def taken(*args: Any) -> Any:
         return xb.Op.call(body, args)
 
+    shapes = xb.tensor_shape(inner)  # the body's outputs, in its order
+
     def not_taken(*args: Any) -> Any:
-        shapes = [xb.Shape(s) for s in xb.Op.call(body, args).shape().shape]
         return [xb.Op.zero(args[0].builder(), s.dtype).broadcast(list(s.sizes)) for s in shapes]
 
     step = predicate.mkconditional(body_args, taken, not_taken)
@@ -443,7 +445,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
         [(weakref.ref(o), weakref.ref(p), k, weakref.ref(v)) for o in optimizers for p, st in o.state.items()
          for k, v in st.items() if isinstance(v, torch.Tensor) and id(v) in known],
     )
-    _watch_modules(guards, state)
+    _watch_modules(guards, state, modules)
     log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants), %d tensors "
               "written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
               sum(k == _CONSTANT for k, _ in sources), len(writes), len(results))
@@ -470,13 +472,12 @@ def _install_registration_hooks() -> None:
     nn_module.register_module_module_registration_hook(_on_registration)
 
 
-def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor]) -> None:
+def _watch_modules(guards: _Guards, state: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]) -> None:
     """Fails ``guards`` when a live module holding any of ``state``, or one containing such a module, registers
     or replaces a parameter, buffer or submodule (``model.fc = nn.Linear(...)``, ``Sequential.append``), or
     changes its training flag."""
     _install_registration_hooks()
     ids = {id(t) for t in state}
-    modules = _private.live_objects(torch.nn.Module)
     holders = {id(m) for m in modules
                if any(id(t) in ids for t in (*m._parameters.values(), *m._buffers.values()))}
     for m in modules:
@@ -510,13 +511,14 @@ def _live_xla_tensors() -> list[torch.Tensor]:
     return out
 
 
-def _training_state() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
+def _training_state() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer], list[torch.nn.Module]]:
     """The XLA tensors of live modules (parameters, their ``.grad``, buffers) and of live optimizers (state,
-    tensor hyperparameters), and those optimizers. Found through their owners, not by walking every tensor:
-    a tensor only C++ keeps alive must not gain a Python reference (torch then warns, and its object dies
-    under the reference)."""
+    tensor hyperparameters), those optimizers, and the live modules. Found through their owners, not by
+    walking every tensor: a tensor only C++ keeps alive must not gain a Python reference (torch then warns,
+    and its object dies under the reference)."""
     tensors: dict[int, torch.Tensor] = {}
-    for module in _private.live_objects(torch.nn.Module):
+    modules = _private.live_objects(torch.nn.Module)
+    for module in modules:
         for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
             tensors[id(t)] = t
             if t.grad is not None:
@@ -529,7 +531,7 @@ def _training_state() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
         if any(id(p) in tensors for g in optimizer.param_groups for p in g["params"]):
             optimizers.append(optimizer)
             tensors.update((id(t), t) for t in held)
-    return [t for t in tensors.values() if t.is_xla and _private.holds_lazy_tensor(t)], optimizers
+    return [t for t in tensors.values() if t.is_xla and _private.holds_lazy_tensor(t)], optimizers, modules
 
 
 def _host_state(optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
