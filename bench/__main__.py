@@ -39,7 +39,8 @@ def plan(quick: bool) -> list[dict]:
     configs = []
     for w in (mlp, "resnet18", "gpt2-2L"):
         # Quick: both optimizer paths on the MLP, the main loop elsewhere (under 5 minutes).
-        loops = (["zero_grads", "eager_optimizer"] if w == mlp else ["zero_grads"]) if quick else list(LOOPS)
+        loops = (["zero_grads", "eager_optimizer"] if w == mlp else ["zero_grads"]) if quick else [
+            name for name, lp in LOOPS.items() if not lp.scheduled]
         for loop in loops:
             # LazyTensor and torch_xla.compile have no eager-optimizer
             # variant: their optimizer is always traced with the step.

@@ -282,7 +282,7 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores; PJRT_DEVICE={info['pjrt_device']}; "
         f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{loop}` "
-        f"(SGD with momentum; {LOOPS[loop].label}). {c['rounds']} rounds, modes alternated; per round "
+        f"({'' if LOOPS[loop].scheduled else 'SGD with momentum; '}{LOOPS[loop].label}). {c['rounds']} rounds, modes alternated; per round "
         f"and mode {c['steps']} steps from an idle device and one pipelined block of {c['block']} steps.",
         "",
         "host: the step's Python call from an idle device until it returns (median, p25–p75); "
@@ -423,6 +423,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     python = jax_python(args.jax_python)
     if python is None:
         report["jax_note"] = "jax not available"
+    elif LOOPS[args.loop].scheduled:
+        python, report["jax_note"] = None, "no jax.jit reference for this loop (the reference trains with SGD)"
     for w in report["workloads"]:
         shape = _mlp_shape(w["workload"])
         if python is None or shape is None:

@@ -1,9 +1,10 @@
 """The training loops the benchmarks run: one table, from which the worker, step_time, spmd and the plan take theirs.
 
-Every loop trains with SGD (momentum); what sets the loops apart is how the
-gradients are cleared, how many micro-batches accumulate into one step, and
+Every loop but one trains with SGD (momentum); what sets the loops apart is how
+the gradients are cleared, how many micro-batches accumulate into one step, and
 whether the optimizer step is compiled with the backend or runs eagerly and
-is followed by a sync.
+is followed by a sync. The one, ``scheduled_adamw``, is bench.host_time's: a
+learning rate that changes every step, as a scheduler sets it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class Loop:
     micro: int  # micro-batches per step (a configuration's "micro" overrides it)
     compiled_optimizer: bool  # optimizer.step compiled with the backend; otherwise eager + torch_xla.sync()
     label: str  # how reports (bench.step_time, upstream/measure.py) name it
+    # AdamW(capturable=True) with a tensor lr that a LambdaLR sets after every step, instead of SGD. Not in
+    # the full benchmark's plan (its tables compare SGD loops); bench.host_time runs it by name.
+    scheduled: bool = False
 
     @property
     def optimizer(self) -> str:
@@ -35,6 +39,9 @@ LOOPS: dict[str, Loop] = {
         Loop("zero_grads", False, 1, True, "set_to_none=False, compiled optimizer"),
         Loop("accumulate4", False, 4, True, "set_to_none=False, compiled optimizer, 4 micro-batches"),
         Loop("eager_optimizer", False, 1, False, "eager optimizer + mark_step"),
+        Loop("scheduled_adamw", False, 1, False,
+             "AdamW(capturable=True), a tensor lr a LambdaLR sets every step, eager optimizer + mark_step",
+             scheduled=True),
     )
 }
 

@@ -66,7 +66,22 @@ def build_step(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
 
 
 def build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
-    """One configuration's training step, its model and its optimizer (SGD with momentum)."""
+    """One configuration's training step, its model and its optimizer (SGD with momentum; for a scheduled
+    loop AdamW with a tensor lr, and the step sets the next lr after it, as a scheduler does)."""
+    step, model, opt = _build_trainer(cfg)
+    if not LOOPS[cfg["loop"]].scheduled:
+        return step, model, opt
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+
+    def scheduled() -> torch.Tensor:
+        loss = step()
+        scheduler.step()
+        return loss
+
+    return scheduled, model, opt
+
+
+def _build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
     mode, loop = cfg["mode"], LOOPS[cfg["loop"]]
     set_to_none, compiled_opt = loop.set_to_none, loop.compiled_optimizer
     micro = cfg.get("micro", loop.micro)
@@ -75,7 +90,9 @@ def build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Modul
     torch.manual_seed(0)
     model = workload.make_model().to(dev)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), capturable=True) if loop.scheduled else
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     g = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(dev) for t in workload.make_batch(g)) for _ in range(micro)]
 

@@ -153,6 +153,145 @@ def test_a_changed_learning_rate_is_traced_again_never_replayed_stale(dev: Any) 
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
 
 
+def _scheduled(optimizer: str, lr: torch.Tensor) -> Callable[..., torch.optim.Optimizer]:
+    if optimizer.startswith("adamw"):
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, capturable=True)
+    return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+
+
+def _with_scheduler(step: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, data: list, dev: Any,
+                    inside: bool = False) -> tuple[list[float], list[int]]:
+    """A LambdaLR stepped once per call: after the step (as users write it), or inside it."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+
+    def scheduled(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = step(x, y)
+        scheduler.step()
+        return loss
+
+    if inside:
+        return run(torch_xla_bridge.replayed_step(scheduled), data, dev)
+    losses, per_call = [], []
+    for x, y in data:
+        out = run(step, [(x, y)], dev)
+        scheduler.step()
+        losses += out[0]
+        per_call += out[1]
+    return losses, per_call
+
+
+def _bound_step_trainer(m: nn.Module, optimizer: Callable[..., torch.optim.Optimizer]
+                        ) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+    """As ``trainer``, but the optimizer's step is a bound method taken once, before any call."""
+    opt = optimizer(m.parameters())
+    fwd, opt_step = torch.compile(m, backend=names.STEP_BACKEND_NAME), opt.step
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(fwd(x), y)
+        loss.backward()
+        opt_step()
+        return loss
+
+    return step, opt
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_bound_step", "sgd"])
+def test_a_scheduled_tensor_learning_rate_is_a_program_input_where_read_as_a_tensor(
+        dev: Any, optimizer: str) -> None:
+    """A tensor lr that a scheduler fills every call: AdamW(capturable=True) reads it as a tensor, so the
+    replay transfers its new value (no retrace), however its step is called; SGD reads it as a number
+    (.item()), so a new value retraces (bounded, warned), never replayed stale. All bitwise as the traced
+    loop; AdamW within 1e-6 of eager CPU."""
+    cpu = model()
+    data = batches(STEPS)
+    traced_model, replayed_model = copy.deepcopy(cpu).to(dev), copy.deepcopy(cpu).to(dev)
+    make = _bound_step_trainer if optimizer == "adamw_bound_step" else trainer
+    traced_step, traced_opt = make(traced_model, optimizer=_scheduled(optimizer, torch.tensor(0.01)))
+    traced, _ = _with_scheduler(traced_step, traced_opt, data, dev)
+
+    step, opt = make(replayed_model, optimizer=_scheduled(optimizer, torch.tensor(0.01)))
+    replayed = torch_xla_bridge.replayed_step(step)
+    messages = _warned(lambda: _with_scheduler(replayed, opt, data, dev))
+    if optimizer != "sgd":
+        assert not messages and (replayed.captures, replayed.replays) == (1, STEPS - 3), messages
+    else:
+        assert any("traced again: an optimizer's parameters or hyperparameters changed" in m for m in messages)
+        assert replayed.replays == 0 and replayed.captures == STEPS - 2, (replayed.replays, replayed.captures)
+    # The schedule ran to its end on both (its values rounded to the tensor's float32).
+    assert opt.param_groups[0]["lr"].item() == traced_opt.param_groups[0]["lr"].item() \
+        == pytest.approx(0.01 / (1 + STEPS), rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(params(replayed_model), params(traced_model)))
+    if optimizer != "sgd":
+        cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=0.01, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(cpu_opt, lambda s: 1 / (1 + s))
+        for x, y in data:
+            cpu_opt.zero_grad(set_to_none=False)
+            F.mse_loss(cpu(x), y).backward()
+            cpu_opt.step()
+            scheduler.step()
+        assert max((a - b.detach()).abs().max().item() for a, b in zip(params(replayed_model),
+                                                                       cpu.parameters())) <= CPU_ATOL
+
+
+@pytest.mark.parametrize("read", ["same", "float64"])
+def test_a_tensor_learning_rate_read_outside_the_optimizer_step_is_never_replayed_stale(
+        dev: Any, read: str) -> None:
+    """The step also reads lr in a device op of its own, outside optimizer.step (unseen by the host tape).
+    Read as it is, torch_xla gives it the device data the tape's transfer has (one input: replayed); read as
+    another dtype, it is a number of the trace equal to a tape value, so a new lr retraces."""
+    def make(m: nn.Module) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+        lr = torch.tensor(0.01)
+        _, opt = trainer(m, optimizer=_scheduled("adamw", lr))
+        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+
+        def with_lr_penalty(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            out = fwd(x)
+            penalty = out * lr if read == "same" else (out.double() * lr.double()).float()
+            loss = F.mse_loss(out, y) + penalty.mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        return with_lr_penalty, opt
+
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    data = batches(6)
+    traced_step, traced_opt = make(traced_model)
+    _with_scheduler(traced_step, traced_opt, data, dev)
+    step, opt = make(m)
+    replayed = torch_xla_bridge.replayed_step(step)
+    messages = _warned(lambda: _with_scheduler(replayed, opt, data, dev))
+    expected = (1, 3) if read == "same" else (4, 0)
+    assert (replayed.captures, replayed.replays) == expected, (replayed.captures, replayed.replays, messages)
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+def test_a_scheduler_stepped_inside_the_step_keeps_it_traced(dev: Any, lr: str) -> None:
+    """A replay would not run the scheduler: the step is traced on every call, named, and its lr follows the
+    schedule exactly as the undecorated loop's."""
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    data = batches(5)
+
+    def make(mm: nn.Module) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+        return trainer(mm, optimizer=_scheduled("adamw", torch.tensor(0.01) if lr == "tensor" else 0.01))
+
+    traced_step, traced_opt = make(traced_model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(traced_opt, lambda s: 1 / (1 + s))
+    for x, y in data:
+        run(traced_step, [(x, y)], dev)
+        scheduler.step()
+    step, opt = make(m)
+    messages = _warned(lambda: _with_scheduler(step, opt, data, dev, inside=True))
+    assert messages and all("a scheduler stepped inside it" in msg for msg in messages), messages
+    assert float(opt.param_groups[0]["lr"]) == float(traced_opt.param_groups[0]["lr"])
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
 @pytest.mark.parametrize("case", ["dropout", "side_effect", "step_closure"])
 def test_what_cannot_be_replayed_is_traced_on_every_call_with_one_warning(dev: Any, case: str) -> None:
     def loop(decorate: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, list[str]]:

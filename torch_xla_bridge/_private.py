@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch._functorch._aot_autograd.runtime_wrappers as _aot_runtime
+import torch.utils._python_dispatch  # noqa: F401  (bound below)
 from torch._dynamo import compiled_autograd as _compiled_autograd
 
 from .names import TORCH_VERSION, TORCH_XLA_INSTALL, TORCH_XLA_VERSION
@@ -68,6 +69,11 @@ current_autograd_node: Callable[[], Optional[torch.autograd.graph.Node]] = _torc
 will_engine_execute_node: Callable[[torch.autograd.graph.Node], bool] = _torch("_C._will_engine_execute_node")
 queue_engine_callback: Callable[[Callable[[], None]], None] = _torch("autograd.Variable._execution_engine.queue_callback")
 
+
+# --- torch: dispatch modes ---------------------------------------------------------
+
+# A mode sees each aten op below autograd (replay's host tape records host math on tensor hyperparameters).
+TorchDispatchMode: type = _torch("utils._python_dispatch.TorchDispatchMode")
 
 _T = TypeVar("_T")
 

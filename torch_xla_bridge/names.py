@@ -67,7 +67,8 @@ REPLAY_RETRACE_CAUSES = {
     RETRACE_MODULES: "a parameter, buffer or submodule of the model was registered, replaced or set to None",
     RETRACE_TRAINING: "a module's training flag changed (model.train() / model.eval())",
     RETRACE_OPTIMIZER: "an optimizer's parameters or hyperparameters changed (e.g. a scheduler's lr: each new "
-    "value is a new capture)",
+    "value is a new capture; a tensor lr, lr=torch.tensor(...), read as a tensor (Adam/AdamW with "
+    "capturable=True) is a program input instead)",
     RETRACE_REQUIRES_GRAD: "a parameter was replaced, or its requires_grad toggled",
     RETRACE_GRAD: "a parameter's .grad was set to None or replaced outside the step",
     RETRACE_STATE: "an optimizer's state was replaced outside the step (e.g. load_state_dict)",

@@ -49,7 +49,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from . import _private, counting, fused_step
+from . import _private, counting, fused_step, host_tape
 from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
                     REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
                     RETRACE_MODULES, RETRACE_OPTIMIZER, RETRACE_REQUIRES_GRAD, RETRACE_STATE, RETRACE_TRAINING,
@@ -63,7 +63,7 @@ WARMUP_CALLS = 2
 MAX_CAPTURES = 8
 
 # Where a replayed program's input comes from.
-_FLAT, _ARG, _STATE, _CONSTANT = 0, 1, 2, 3
+_FLAT, _ARG, _STATE, _CONSTANT, _HOST = 0, 1, 2, 3, 4
 
 
 def replayed_step(fn: Callable[..., Any]) -> "ReplayedStep":
@@ -96,6 +96,8 @@ class _Guards:
     modules_changed: bool = False
     # Those modules and their training flag (``model.eval()`` changes what the forward computes).
     training: list[tuple[weakref.ref[torch.nn.Module], bool]] = dataclasses.field(default_factory=list)
+    # The tensor hyperparameters that are program inputs (host_tape): guarded by identity, not version.
+    host_inputs: frozenset[int] = frozenset()
 
     def failed(self, args: tuple) -> Optional[str]:
         """Why this call cannot replay the capture (a key of ``REPLAY_RETRACE_CAUSES``), or None."""
@@ -107,7 +109,7 @@ class _Guards:
             return RETRACE_TRAINING
         for ref, snapshot in self.optimizers:
             optimizer = ref()
-            if optimizer is None or _optimizer_snapshot(optimizer) != snapshot:
+            if optimizer is None or _optimizer_snapshot(optimizer, self.host_inputs) != snapshot:
                 return RETRACE_OPTIMIZER
         if tuple(_requires_grad(self.params)) != self.requires_grad:
             return RETRACE_REQUIRES_GRAD
@@ -137,13 +139,15 @@ class _Program:
     graph_hash: bytes
     guards: _Guards
     # Per program input, in the program's order: (_FLAT, index in flats) | (_ARG, flat argument index) |
-    # (_STATE, weakref to the tensor) | (_CONSTANT, tensor).
+    # (_STATE, weakref to the tensor) | (_CONSTANT, tensor) | (_HOST, index of host's vectors).
     sources: list[tuple[int, Any]]
     # The written tensors of each flat buffer, in the buffer's order; packed by pack().
     groups: list[list[weakref.ref[torch.Tensor]]]
     result: pytree.TreeSpec
     # Per leaf of the result: its output index (after the flat buffers), or the leaf itself (not a pending tensor).
     result_leaves: list[tuple[bool, Any]]
+    # Values the host computes from tensor hyperparameters (a scheduler's lr), transferred per replay.
+    host: Optional[host_tape.HostInputs] = None
     flats: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def pack(self) -> None:
@@ -180,11 +184,14 @@ class _Program:
         # A view written since (a load_state_dict's copy_) is applied to its flat buffer now.
         _private.settle(self.flats)
         inputs = []
+        host = self.host.values() if self.host is not None else []
         for kind, source in self.sources:
             if kind == _FLAT:
                 inputs.append(_private.inner_value(self.flats[source]))
             elif kind == _ARG:
                 inputs.append(flat_args[source])
+            elif kind == _HOST:
+                inputs.append(host[source])
             elif kind == _STATE:
                 t = source()
                 if t is None:
@@ -221,6 +228,7 @@ class ReplayedStep:
         # Why the step is always traced, once it is (None while it may replay).
         self.traced_because: Optional[str] = None
         self._program: Optional[_Program] = None
+        self._warned: set[str] = set()
 
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
@@ -239,7 +247,7 @@ class ReplayedStep:
                     retraced = str(stale)
             self._program = None
             program.unpack()
-            _warn_once(self.fn, f"traced again: {REPLAY_RETRACE_CAUSES[retraced]}")
+            self._warn(f"traced again: {REPLAY_RETRACE_CAUSES[retraced]}")
         if self.traced_because is not None or self.calls <= WARMUP_CALLS or self.captures >= MAX_CAPTURES:
             if self.traced_because is None and self.captures >= MAX_CAPTURES:
                 self._always_trace(f"captured {MAX_CAPTURES} times: what changes between calls should be an input")
@@ -250,7 +258,14 @@ class ReplayedStep:
 
     def _always_trace(self, cause: str) -> None:
         self.traced_because = cause
-        _warn_once(self.fn, f"not replayed, traced on every call: {cause}")
+        self._warn(f"not replayed, traced on every call: {cause}")
+
+    def _warn(self, message: str) -> None:
+        """Warns once per message and decorated step."""
+        if message not in self._warned:
+            self._warned.add(message)
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            warnings.warn(f"{STEP_BACKEND_NAME} replayed step {name}: {message}", stacklevel=3)
 
     def _capture(self, args: tuple, flat: list, key: tuple, retraced: Optional[str]) -> Any:
         """Traces one call with executions held back, captures its program, then cuts the step as usual
@@ -274,9 +289,11 @@ class ReplayedStep:
         old = [_private.inner_value(t) for t in state]
         closures = len(_private.step_closures())
         host_state = _host_state(optimizers)
+        hyperparameters = [_optimizer_snapshot(o) for o in optimizers]
         _private.set_allow_execution(False)
         try:
-            out = self.fn(*args)
+            with host_tape.recording(optimizers) as tape:
+                out = self.fn(*args)
         finally:
             _private.set_allow_execution(True)
         self.captures += 1
@@ -289,8 +306,11 @@ class ReplayedStep:
         elif _host_state(optimizers) != host_state:
             cause = ("the step changes optimizer state kept on the host (e.g. Adam's step count, a CPU tensor "
                      "unless capturable=True), which a replay would leave as it was")
+        elif [_optimizer_snapshot(o) for o in optimizers] != hyperparameters:
+            cause = ("the step changes an optimizer's hyperparameters (a scheduler stepped inside it), which a "
+                     "replay would leave as they were: step the scheduler outside the decorated step")
         else:
-            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, modules)
+            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, modules, tape)
         del old
         if retraced is not None:  # after the capture's own barrier: explain reads it at the cut
             counting.bump(retraced)
@@ -310,11 +330,12 @@ class ReplayedStep:
 
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
                 old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
-                modules: list[torch.nn.Module]) -> tuple[Optional["_Program"], str]:
+                modules: list[torch.nn.Module], tape: Optional[host_tape.Tape]) -> tuple[Optional["_Program"], str]:
     """The captured program of a call traced with executions held back, or None and why it cannot be replayed.
 
     ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
-    each parameter's ``.grad`` then; ``modules``: the live modules.
+    each parameter's ``.grad`` then; ``modules``: the live modules; ``tape``: the host math on the optimizers'
+    tensor hyperparameters, whose transfers become the program's host inputs.
 
     The program is the one the call's own cut compiles (the same outputs, in the order torch_xla syncs live
     tensors: by lazy tensor id), embedded in one that slices its state inputs out of the flat buffers and
@@ -365,6 +386,13 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
             source_of.setdefault(ctx.tensor_parameter_id(_private.inner_value(a)), (_ARG, i))
     for t, value in zip(state, old):
         source_of.setdefault(ctx.tensor_parameter_id(value), (_STATE, t))
+    host = None
+    if tape is not None:
+        uploaded = {ctx.tensor_parameter_id(_private.inner_value(v)) for v, _ in tape.uploads}
+        host = tape.inputs([parameters[pid] for pid in range(len(parameters))
+                            if pid not in source_of and pid not in uploaded and parameters[pid].dim() == 0])
+        for k, value in enumerate(host.uploads if host is not None else ()):
+            source_of.setdefault(ctx.tensor_parameter_id(_private.inner_value(value)), (_HOST, k))
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in writes:
         groups.setdefault(t.dtype, []).append(t)
@@ -380,6 +408,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     placeholders = [_private.create_placeholder_tensor([n], group[0].dtype) for n, group in zip(sizes, packed)]
     sources: list[tuple[int, Any]] = [(_FLAT, g) for g in range(len(packed))]
     body_args = []
+    host_vectors: dict[int, Any] = {}
 
     def add_input(kind: int, source: Any, value: torch.Tensor) -> Any:
         sources.append((kind, source))
@@ -393,12 +422,20 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
             g, offset = where[id(source)]
             body_args.append(inputs[g].slice_in_dim(offset, offset + source.numel(), 0).reshape(list(source.shape)))
             continue
+        if kind == _HOST:
+            v, j = host.layout[source]
+            if v not in host_vectors:
+                nodes, dtype, _ = host.vectors[v]
+                host_vectors[v] = add_input(_HOST, v, torch.empty(len(nodes), dtype=dtype, device="meta"))
+            body_args.append(host_vectors[v].slice_in_dim(j, j + 1, 0).reshape([]))
+            continue
         if kind == _STATE:
             source = weakref.ref(source)
         elif kind is None:
             if value.dim() != 0:
                 return None, (f"the step reads a tensor of shape {tuple(value.shape)} that is neither an argument, "
-                              "a module's parameter or buffer, nor optimizer state: pass it as an argument")
+                              "a module's parameter or buffer, nor optimizer state: pass it as an argument (a "
+                              "compiled optimizer step reads a tensor lr so: keep that step eager to replay)")
             kind, source = _CONSTANT, value  # a Python number of the trace, uploaded
         body_args.append(add_input(kind, source, value))
     # The traced program runs as one branch of a conditional on a predicate given at run time (always true):
@@ -438,19 +475,23 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     for leaf in result_flat:
         leaves.append((True, index[id(leaf)]) if id(leaf) in index else (False, leaf))
     members = {id(t) for t in writes}
+    relaxed = host.relaxed if host is not None else frozenset()
     guards = _Guards(
-        key, [(weakref.ref(o), _optimizer_snapshot(o)) for o in optimizers],
+        key, [(weakref.ref(o), _optimizer_snapshot(o, relaxed)) for o in optimizers],
         [weakref.ref(p) for p in params], tuple(_requires_grad(params)),
         [(weakref.ref(p), weakref.ref(p.grad)) for p in params if p.grad is not None and id(p.grad) in members],
         [(weakref.ref(o), weakref.ref(p), k, weakref.ref(v)) for o in optimizers for p, st in o.state.items()
          for k, v in st.items() if isinstance(v, torch.Tensor) and id(v) in known],
+        host_inputs=relaxed,
     )
     _watch_modules(guards, state, modules)
-    log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants), %d tensors "
-              "written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
-              sum(k == _CONSTANT for k, _ in sources), len(writes), len(results))
+    log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants, %d host vectors), "
+              "%d tensors written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
+              sum(k == _CONSTANT for k, _ in sources), len(host_vectors), len(writes), len(results))
+    if host is not None:
+        host.forget()
     return _Program(graph_hash, guards, sources, [[weakref.ref(t) for t in group] for group in packed],
-                    result_spec, leaves), ""
+                    result_spec, leaves, host if host_vectors else None), ""
 
 
 # Modules a capture reads from -> the guards to fail when one of them registers or replaces a parameter, buffer
@@ -546,11 +587,13 @@ def _args_key(flat: Sequence[Any]) -> tuple:
     return tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in flat)
 
 
-def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple:
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer, inputs: frozenset[int] = frozenset()) -> tuple:
     """Its parameters' identities and hyperparameters; a tensor hyperparameter by identity and version (an
-    in-place update, a scheduler's, changes it: a CPU tensor's value is a constant of the trace)."""
+    in-place update, a scheduler's, changes it: a CPU tensor's value is a constant of the trace), except one of
+    ``inputs`` (ids), a program input: by identity, dtype and shape."""
     return tuple((tuple(map(id, g["params"])),
-                  tuple((k, ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v)
+                  tuple((k, ("tensor", id(v), v.dtype, v.shape, None if id(v) in inputs else v._version)
+                         if isinstance(v, torch.Tensor) else v)
                         for k, v in g.items() if k != "params"))
                  for g in optimizer.param_groups)
 
@@ -560,11 +603,3 @@ def _requires_grad(params: Sequence[Any]) -> list[Optional[bool]]:
     tensors = [p() if isinstance(p, weakref.ref) else p for p in params]
     return [None if t is None else t.requires_grad for t in tensors]
 
-
-@functools.cache
-def _warn_once_cached(name: str, message: str) -> None:
-    warnings.warn(f"{STEP_BACKEND_NAME} replayed step {name}: {message}", stacklevel=3)
-
-
-def _warn_once(fn: Callable[..., Any], message: str) -> None:
-    _warn_once_cached(getattr(fn, "__qualname__", repr(fn)), message)
