@@ -9,6 +9,7 @@ traced on every call, never a wrong replay.
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from typing import Any, Callable, Optional
 
@@ -542,3 +543,36 @@ def test_a_hugging_face_gpt2_with_tied_weights_replays_bitwise(dev: Any) -> None
     assert (replayed.captures, replayed.replays) == (1, 3) and per_call[3:] == [1, 1, 1], per_call
     assert losses == traced
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+def test_a_sharded_step_replays_with_its_shardings_bitwise(tmp_path: Any) -> None:
+    """SPMD on 4 devices (its own process, test/spmd_replay_checks.py): FSDP-style sharded parameters, batches
+    sharded over rows; and FSDPv2 compiled whole. Replayed after warm-up, one execution per call, nothing compiled; bitwise as the loop
+    traced on every call, parameters and .grad keep their shardings, within 1e-6 of eager CPU; a batch that
+    comes in with another sharding is captured again and named."""
+    from test_spmd import ROOT, _run_spmd
+
+    out = tmp_path / "result.json"
+    _run_spmd(ROOT / "test" / "spmd_replay_checks.py", str(out))
+    result = json.loads(out.read_text())
+    traced, replayed = result["traced"], result["replayed"]
+    assert result["devices"] == 4
+    # Calls 1-2 traced, 3 captured (no packing under SPMD: one execution), 4-6 replayed; 7's batch is
+    # replicated (captured again), 8's sharded again (captured again), 9 replayed.
+    assert (replayed["captures"], replayed["replays"]) == (3, 4), replayed
+    assert replayed["per_call"] == traced["per_call"] == [2] + [1] * 8, (replayed["per_call"], traced["per_call"])
+    assert replayed["compiles"][3:6] == [replayed["compiles"][2]] * 3 and replayed["compiles"][8] == \
+        replayed["compiles"][7], replayed["compiles"]
+    assert replayed["warnings"] and all("its arguments changed" in m and "sharding" in m
+                                        for m in replayed["warnings"]), replayed["warnings"]
+    assert replayed["losses"] == traced["losses"]
+    assert replayed["params"] == traced["params"]
+    assert replayed["param_specs"] == traced["param_specs"] and replayed["grad_specs"] == traced["grad_specs"]
+    assert all("devices=" in s for s in replayed["param_specs"]), replayed["param_specs"]
+    assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
+               for a, b in zip(replayed["params"], result["eager_cpu"])) <= CPU_ATOL
+    # FSDPv2 compiled whole, AdamW(capturable=True): replayed from call 4 on, bitwise, shardings kept.
+    fsdp_traced, fsdp_replayed = result["fsdpv2_traced"], result["fsdpv2_replayed"]
+    assert fsdp_replayed["replays"] == 3 and fsdp_replayed["per_call"] == fsdp_traced["per_call"] == [2] + [1] * 5
+    assert fsdp_replayed["losses"] == fsdp_traced["losses"] and fsdp_replayed["params"] == fsdp_traced["params"]
+    assert fsdp_replayed["param_specs"] == fsdp_traced["param_specs"]

@@ -63,7 +63,7 @@ RETRACE_GRAD = "OpenxlaFusedStepRetraceGrad"
 RETRACE_STATE = "OpenxlaFusedStepRetraceState"
 RETRACE_FREED = "OpenxlaFusedStepRetraceFreed"
 REPLAY_RETRACE_CAUSES = {
-    RETRACE_ARGUMENTS: "its arguments changed (a new shape, dtype or non-tensor value)",
+    RETRACE_ARGUMENTS: "its arguments changed (a new shape, dtype, sharding or non-tensor value)",
     RETRACE_MODULES: "a parameter, buffer or submodule of the model was registered, replaced or set to None",
     RETRACE_TRAINING: "a module's training flag changed (model.train() / model.eval())",
     RETRACE_OPTIMIZER: "an optimizer's parameters or hyperparameters changed (e.g. a scheduler's lr: each new "

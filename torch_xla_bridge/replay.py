@@ -26,8 +26,11 @@ warned once per cause) and captured anew, at most ``MAX_CAPTURES`` times,
 after which the step is always traced; what cannot be replayed safely (a
 step that draws random numbers, adds step closures, changes optimizer
 state kept on the host, keeps pending tensors outside its state and
-results, reads a tensor from outside, runs under SPMD) is traced on every
-call, with one warning naming the cause. The decorated function holds its
+results, reads a tensor from outside) is traced on every call, with one
+warning naming the cause. Under SPMD the state is not packed (a flat buffer
+cannot carry each tensor's sharding): the replay runs the traced program
+itself, partitioned as torch_xla compiles it, and gives each written tensor
+its output. The decorated function holds its
 program and flat buffers, and, weakly, the tensors it reads and writes.
 """
 
@@ -148,6 +151,8 @@ class _Program:
     result_leaves: list[tuple[bool, Any]]
     # Values the host computes from tensor hyperparameters (a scheduler's lr), transferred per replay.
     host: Optional[host_tape.HostInputs] = None
+    # Unpacked (under SPMD, see _unpacked_program): each written tensor and its output index.
+    writes: list[tuple[weakref.ref[torch.Tensor], int]] = dataclasses.field(default_factory=list)
     flats: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def pack(self) -> None:
@@ -156,6 +161,8 @@ class _Program:
         members = [[ref() for ref in group] for group in self.groups]
         if any(t is None for group in members for t in group):
             raise _Stale(RETRACE_FREED)
+        if not members:  # unpacked
+            return
         with torch.no_grad():
             self.flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in members]
         counting.bump(REPLAY_PACK_COUNTER)
@@ -208,6 +215,10 @@ class _Program:
         for flat, value in zip(self.flats, outputs):
             _private.restore_value(flat, _private.inner_value(value))
         _private.settle(self.flats)
+        for ref, k in self.writes:
+            t = ref()
+            if t is not None:
+                _private.restore_value(t, _private.inner_value(outputs[k]))
         first = len(self.flats)
         leaves = [outputs[first + v] if is_output else v for is_output, v in self.result_leaves]
         return pytree.tree_unflatten(leaves, self.result)
@@ -271,11 +282,6 @@ class ReplayedStep:
         """Traces one call with executions held back, captures its program, then cuts the step as usual
         (this call executes as a traced one does, then packs the state it writes; the next call replays).
         ``retraced``: why the call before was not a replay, if it was one (bumped where explain sees it)."""
-        if xr.is_spmd():
-            if retraced is not None:
-                counting.bump(retraced)
-            self._always_trace("SPMD steps are not replayed yet")
-            return self.fn(*args)
         # Nothing pending before: what is pending after is this step's. A barrier advances the RNG seed: this
         # one, which a traced call does not have, leaves it as it was (dropout draws what a traced call draws).
         seed = _private.rng_seed()
@@ -375,6 +381,9 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     inner = [_private.inner_value(t) for t in program]
     del live, pending_live, others, program
     xm.wait_device_ops()  # the buffers below are assigned (a handle in flight is a placeholder's)
+    if xr.is_spmd():
+        return _unpacked_program(inner, position, flat, key, state, old, params, writes, results, result_flat,
+                                 result_spec, known, optimizers, modules)
     ctx = _private.LoweringContext("ReplayedStepBody")
     ctx.build(inner)
     body = _private.computation_from_module_proto("replayed_step_body", ctx.hlo())
@@ -474,8 +483,64 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     index = {id(t): i for i, t in enumerate(results)}
     for leaf in result_flat:
         leaves.append((True, index[id(leaf)]) if id(leaf) in index else (False, leaf))
+    guards = _guards(key, optimizers, params, writes, known, state, modules,
+                     host.relaxed if host is not None else frozenset())
+    log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants, %d host vectors), "
+              "%d tensors written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
+              sum(k == _CONSTANT for k, _ in sources), len(host_vectors), len(writes), len(results))
+    if host is not None:
+        host.forget()
+    return _Program(graph_hash, guards, sources, [[weakref.ref(t) for t in group] for group in packed],
+                    result_spec, leaves, host if host_vectors else None), ""
+
+
+def _unpacked_program(inner: list[torch.Tensor], position: dict[int, int], flat: list, key: tuple,
+                      state: list[torch.Tensor], old: list[torch.Tensor], params: list[torch.Tensor],
+                      writes: list[torch.Tensor], results: list[torch.Tensor], result_flat: list,
+                      result_spec: pytree.TreeSpec, known: set[int], optimizers: list[torch.optim.Optimizer],
+                      modules: list[torch.nn.Module]) -> tuple[Optional["_Program"], str]:
+    """Under SPMD: the traced program itself, its state not packed (one flat buffer cannot carry each tensor's
+    sharding), so a replay gives each written tensor its output (a host cost per tensor written, no tracing).
+
+    torch_xla compiles it as it compiles the traced call's cut (partitioned, with the tensors' shardings):
+    the same program. Its inputs are matched to arguments and state by buffer (under SPMD a buffer's
+    recorded tensor id changes whenever its tensor's IR is taken).
+    """
+    launched = counting.launches()
+    graph_hash = _private.cache_program(inner)
+    _private.increment_counter(VALIDATION_COUNTER, counting.launches() - launched)
+    _, values = _private.program_inputs(inner)
+    source_of: dict[int, tuple[int, Any]] = {}
+    args = [(i, _private.inner_value(a)) for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.is_xla]
+    for (i, _), handle in zip(args, _private.buffer_handles([v for _, v in args])):
+        source_of.setdefault(handle, (_ARG, i))
+    for t, handle in zip(state, _private.buffer_handles(old)):
+        source_of.setdefault(handle, (_STATE, weakref.ref(t)))
+    sources: list[tuple[int, Any]] = []
+    for value, handle in zip(values, _private.buffer_handles(values)):
+        source = source_of.get(handle)
+        if source is None:
+            if value.dim() != 0:
+                return None, (f"the step reads a tensor of shape {tuple(value.shape)} that is neither an argument, "
+                              "a module's parameter or buffer, nor optimizer state: pass it as an argument")
+            source = (_CONSTANT, value)  # a Python number of the trace
+        sources.append(source)
+    index = {id(t): position[_private.tensor_id(_private.inner_value(t))] for t in results}
+    leaves = [(True, index[id(leaf)]) if id(leaf) in index else (False, leaf) for leaf in result_flat]
+    guards = _guards(key, optimizers, params, writes, known, state, modules, frozenset())
+    log.debug("replayed step captured unpacked (SPMD): %d inputs, %d tensors written, %d results", len(sources),
+              len(writes), len(results))
+    return _Program(graph_hash, guards, sources, [], result_spec, leaves,
+                    writes=[(weakref.ref(t), position[_private.tensor_id(_private.inner_value(t))])
+                            for t in writes]), ""
+
+
+def _guards(key: tuple, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+            writes: Sequence[torch.Tensor], known: set[int], state: Sequence[torch.Tensor],
+            modules: Sequence[torch.nn.Module], relaxed: frozenset[int]) -> _Guards:
+    """The guards of a capture: ``key`` its arguments', ``writes`` the tensors it writes, ``known`` the ids of
+    the state tensors, ``relaxed`` the tensor hyperparameters that are program inputs."""
     members = {id(t) for t in writes}
-    relaxed = host.relaxed if host is not None else frozenset()
     guards = _Guards(
         key, [(weakref.ref(o), _optimizer_snapshot(o, relaxed)) for o in optimizers],
         [weakref.ref(p) for p in params], tuple(_requires_grad(params)),
@@ -485,13 +550,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
         host_inputs=relaxed,
     )
     _watch_modules(guards, state, modules)
-    log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants, %d host vectors), "
-              "%d tensors written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
-              sum(k == _CONSTANT for k, _ in sources), len(host_vectors), len(writes), len(results))
-    if host is not None:
-        host.forget()
-    return _Program(graph_hash, guards, sources, [[weakref.ref(t) for t in group] for group in packed],
-                    result_spec, leaves, host if host_vectors else None), ""
+    return guards
 
 
 # Modules a capture reads from -> the guards to fail when one of them registers or replaces a parameter, buffer
@@ -584,7 +643,12 @@ def _host_state(optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
 
 
 def _args_key(flat: Sequence[Any]) -> tuple:
-    return tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in flat)
+    """What a capture assumes of its arguments: each tensor's shape, dtype and device, and under SPMD its
+    sharding (the program is compiled for it, as upstream's bridge checks its inputs' shardings); each other
+    argument's type and value."""
+    spmd = xr.is_spmd()
+    return tuple((a.shape, a.dtype, a.device, _private.sharding_spec(a) if spmd and a.is_xla else None)
+                 if isinstance(a, torch.Tensor) else (type(a), a) for a in flat)
 
 
 def _optimizer_snapshot(optimizer: torch.optim.Optimizer, inputs: frozenset[int] = frozenset()) -> tuple:
