@@ -8,8 +8,8 @@ It trains an MLP whose parameters are sharded FSDP-style (each over the mesh alo
 largest dimension) on batches sharded over their rows, as a loop traced on every call
 and as the same loop under ``@torch_xla_bridge.replayed_step``, and on eager CPU; at
 call 7 the batch comes in replicated (a sharding change). Then FSDPv2
-(``SpmdFullyShardedDataParallel``, compiled whole) with AdamW(capturable=True), traced and
-replayed. It writes what the test asserts on: executions per call, captures and replays,
+(``SpmdFullyShardedDataParallel``, compiled whole) with AdamW(capturable=True) and a tensor lr
+that a LambdaLR sets after every call, traced and replayed. It writes what the test asserts on: executions per call, captures and replays,
 losses, parameters, shardings, compiles.
 """
 
@@ -100,7 +100,8 @@ def training(replayed: bool, cpu: nn.Module) -> dict[str, Any]:
 
 
 def fsdpv2(replayed: bool) -> dict[str, Any]:
-    """test/fsdpv2_checks.py's model under FSDPv2, compiled whole; AdamW keeps its step count on the device."""
+    """test/fsdpv2_checks.py's model under FSDPv2, compiled whole; AdamW keeps its step count on the device, its
+    lr is a tensor that a scheduler sets after every call (an input of the replayed program)."""
     import fsdpv2_checks
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
@@ -108,7 +109,8 @@ def fsdpv2(replayed: bool) -> dict[str, Any]:
     mesh = fsdpv2_checks.mesh()
     torch.manual_seed(0)
     wrapped = SpmdFullyShardedDataParallel(fsdpv2_checks.Model(False).to(torch_xla.device()), mesh=mesh)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, capturable=True)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=torch.tensor(1e-2), capturable=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
     model = torch.compile(wrapped, backend=FUSED_STEP)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -129,6 +131,7 @@ def fsdpv2(replayed: bool) -> dict[str, Any]:
         start = executions()
         losses.append(fn(x, y).item())
         per_call.append(executions() - start)
+        scheduler.step()
     params = list(wrapped.parameters())
     return {"losses": losses, "per_call": per_call, "replays": getattr(fn, "replays", None),
             "params": [p.detach().cpu().tolist() for p in params], "param_specs": specs(params)}

@@ -571,7 +571,8 @@ def test_a_sharded_step_replays_with_its_shardings_bitwise(tmp_path: Any) -> Non
     assert all("devices=" in s for s in replayed["param_specs"]), replayed["param_specs"]
     assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
                for a, b in zip(replayed["params"], result["eager_cpu"])) <= CPU_ATOL
-    # FSDPv2 compiled whole, AdamW(capturable=True): replayed from call 4 on, bitwise, shardings kept.
+    # FSDPv2 compiled whole, AdamW(capturable=True) with a scheduled tensor lr: replayed from call 4 on (each
+    # new lr an input), bitwise, shardings kept.
     fsdp_traced, fsdp_replayed = result["fsdpv2_traced"], result["fsdpv2_replayed"]
     assert fsdp_replayed["replays"] == 3 and fsdp_replayed["per_call"] == fsdp_traced["per_call"] == [2] + [1] * 5
     assert fsdp_replayed["losses"] == fsdp_traced["losses"] and fsdp_replayed["params"] == fsdp_traced["params"]

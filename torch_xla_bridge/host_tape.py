@@ -205,7 +205,9 @@ class HostInputs:
 
     ``vectors[v]`` is ``(nodes, dtype, device)``: the nodes transferred together as one vector. ``uploads[k]`` is
     the device value the capture read for transfer ``k`` and ``layout[k]`` its ``(vector, position)``.
-    ``relaxed``: the ids of the roots that are inputs (their versions need no guard).
+    ``relaxed``: the ids of the roots that are inputs (their versions need no guard). ``packed``: False for a
+    program that reads each transfer as it was made (one 0-dim value each: the SPMD replay, which runs the
+    traced program itself).
     """
 
     roots: list[weakref.ref[torch.Tensor]]
@@ -214,11 +216,13 @@ class HostInputs:
     uploads: list[torch.Tensor]
     layout: list[tuple[int, int]]
     relaxed: frozenset[int]
+    packed: bool = True
     _versions: Optional[tuple] = None
     _values: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def values(self) -> list[torch.Tensor]:
-        """One device vector per entry of ``vectors``, from the roots' values now (the guards hold them alive)."""
+        """One device vector per entry of ``vectors`` (or, not ``packed``, one value per transfer), from the roots'
+        values now (the guards hold them alive)."""
         roots = [r() for r in self.roots]
         versions = tuple(t._version for t in roots)
         if versions != self._versions:
@@ -229,8 +233,11 @@ class HostInputs:
                     args, kwargs = pytree.tree_unflatten(leaves, node.spec)
                     out = node.func(*args, **kwargs)
                     values[k] = out if node.index is None else out[node.index]
-                self._values = [torch.stack([values[k] for k in nodes]).to(device)
-                                for nodes, _, device in self.vectors]
+                if self.packed:
+                    self._values = [torch.stack([values[k] for k in nodes]).to(device)
+                                    for nodes, _, device in self.vectors]
+                else:
+                    self._values = [values[self.vectors[v][0][j]].to(self.vectors[v][2]) for v, j in self.layout]
             self._versions = versions
         return self._values
 

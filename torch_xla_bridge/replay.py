@@ -142,7 +142,7 @@ class _Program:
     graph_hash: bytes
     guards: _Guards
     # Per program input, in the program's order: (_FLAT, index in flats) | (_ARG, flat argument index) |
-    # (_STATE, weakref to the tensor) | (_CONSTANT, tensor) | (_HOST, index of host's vectors).
+    # (_STATE, weakref to the tensor) | (_CONSTANT, tensor) | (_HOST, index of host's values).
     sources: list[tuple[int, Any]]
     # The written tensors of each flat buffer, in the buffer's order; packed by pack().
     groups: list[list[weakref.ref[torch.Tensor]]]
@@ -383,7 +383,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     xm.wait_device_ops()  # the buffers below are assigned (a handle in flight is a placeholder's)
     if xr.is_spmd():
         return _unpacked_program(inner, position, flat, key, state, old, params, writes, results, result_flat,
-                                 result_spec, known, optimizers, modules)
+                                 result_spec, known, optimizers, modules, tape)
     ctx = _private.LoweringContext("ReplayedStepBody")
     ctx.build(inner)
     body = _private.computation_from_module_proto("replayed_step_body", ctx.hlo())
@@ -484,7 +484,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     for leaf in result_flat:
         leaves.append((True, index[id(leaf)]) if id(leaf) in index else (False, leaf))
     guards = _guards(key, optimizers, params, writes, known, state, modules,
-                     host.relaxed if host is not None else frozenset())
+                     host.relaxed if host is not None and host_vectors else frozenset())
     log.debug("replayed step captured: %d inputs (%d flat buffers, %d arguments, %d constants, %d host vectors), "
               "%d tensors written, %d results", len(sources), len(packed), sum(k == _ARG for k, _ in sources),
               sum(k == _CONSTANT for k, _ in sources), len(host_vectors), len(writes), len(results))
@@ -498,7 +498,8 @@ def _unpacked_program(inner: list[torch.Tensor], position: dict[int, int], flat:
                       state: list[torch.Tensor], old: list[torch.Tensor], params: list[torch.Tensor],
                       writes: list[torch.Tensor], results: list[torch.Tensor], result_flat: list,
                       result_spec: pytree.TreeSpec, known: set[int], optimizers: list[torch.optim.Optimizer],
-                      modules: list[torch.nn.Module]) -> tuple[Optional["_Program"], str]:
+                      modules: list[torch.nn.Module], tape: Optional[host_tape.Tape]
+                      ) -> tuple[Optional["_Program"], str]:
     """Under SPMD: the traced program itself, its state not packed (one flat buffer cannot carry each tensor's
     sharding), so a replay gives each written tensor its output (a host cost per tensor written, no tracing).
 
@@ -516,8 +517,19 @@ def _unpacked_program(inner: list[torch.Tensor], position: dict[int, int], flat:
         source_of.setdefault(handle, (_ARG, i))
     for t, handle in zip(state, _private.buffer_handles(old)):
         source_of.setdefault(handle, (_STATE, weakref.ref(t)))
+    handles = _private.buffer_handles(values)
+    host = None
+    if tape is not None:
+        # The tape's transfers, each its own input (as the traced program reads them; see host_tape).
+        uploaded = set(_private.buffer_handles([v for v, _ in tape.uploads]))
+        host = tape.inputs([v for v, h in zip(values, handles)
+                            if h not in source_of and h not in uploaded and v.dim() == 0])
+        if host is not None:
+            host.packed = False
+            for k, handle in enumerate(_private.buffer_handles(host.uploads)):
+                source_of.setdefault(handle, (_HOST, k))
     sources: list[tuple[int, Any]] = []
-    for value, handle in zip(values, _private.buffer_handles(values)):
+    for value, handle in zip(values, handles):
         source = source_of.get(handle)
         if source is None:
             if value.dim() != 0:
@@ -527,10 +539,14 @@ def _unpacked_program(inner: list[torch.Tensor], position: dict[int, int], flat:
         sources.append(source)
     index = {id(t): position[_private.tensor_id(_private.inner_value(t))] for t in results}
     leaves = [(True, index[id(leaf)]) if id(leaf) in index else (False, leaf) for leaf in result_flat]
-    guards = _guards(key, optimizers, params, writes, known, state, modules, frozenset())
-    log.debug("replayed step captured unpacked (SPMD): %d inputs, %d tensors written, %d results", len(sources),
-              len(writes), len(results))
-    return _Program(graph_hash, guards, sources, [], result_spec, leaves,
+    host_inputs = host is not None and any(kind == _HOST for kind, _ in sources)
+    guards = _guards(key, optimizers, params, writes, known, state, modules,
+                     host.relaxed if host_inputs else frozenset())
+    log.debug("replayed step captured unpacked (SPMD): %d inputs (%d from the host), %d tensors written, "
+              "%d results", len(sources), sum(kind == _HOST for kind, _ in sources), len(writes), len(results))
+    if host is not None:
+        host.forget()
+    return _Program(graph_hash, guards, sources, [], result_spec, leaves, host if host_inputs else None,
                     writes=[(weakref.ref(t), position[_private.tensor_id(_private.inner_value(t))])
                             for t in writes]), ""
 
