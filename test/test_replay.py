@@ -577,3 +577,37 @@ def test_a_sharded_step_replays_with_its_shardings_bitwise(tmp_path: Any) -> Non
     assert fsdp_replayed["replays"] == 3 and fsdp_replayed["per_call"] == fsdp_traced["per_call"] == [2] + [1] * 5
     assert fsdp_replayed["losses"] == fsdp_traced["losses"] and fsdp_replayed["params"] == fsdp_traced["params"]
     assert fsdp_replayed["param_specs"] == fsdp_traced["param_specs"]
+
+
+def test_a_replay_whose_execution_fails_changes_nothing_and_training_goes_on(dev: Any, monkeypatch: Any) -> None:
+    """The replay's execution raises (as XLA's RESOURCE_EXHAUSTED would): the error reaches the caller as it
+    is, parameters, .grad and optimizer state are as before the call, and the next calls replay on; the run
+    ends bitwise where the traced loop that skipped that batch does."""
+    data = batches(7)
+    failing = 4  # the fifth call: a replay
+    m = model().to(dev)
+    traced_model = copy.deepcopy(m)
+    traced_step, _ = trainer(traced_model)
+    run(traced_step, data[:failing] + data[failing + 1:], dev)
+
+    step, opt = trainer(m)
+    replayed = torch_xla_bridge.replayed_step(step)
+    run(replayed, data[:failing], dev)
+    before = [t.detach().cpu() for t in (*m.parameters(), *(p.grad for p in m.parameters()),
+                                          *(opt.state[p]["momentum_buffer"] for p in m.parameters()))]
+    real = torch_xla_bridge._private.run_cached_graph
+
+    def exhausted(graph_hash: bytes, inputs: list) -> list:
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+
+    monkeypatch.setattr(torch_xla_bridge._private, "run_cached_graph", exhausted)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        replayed(*(t.to(dev) for t in data[failing]))
+    monkeypatch.setattr(torch_xla_bridge._private, "run_cached_graph", real)
+    after = [t.detach().cpu() for t in (*m.parameters(), *(p.grad for p in m.parameters()),
+                                         *(opt.state[p]["momentum_buffer"] for p in m.parameters()))]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    replays = replayed.replays
+    _, per_call = run(replayed, data[failing + 1:], dev)
+    assert replayed.replays == replays + 2 and per_call == [1, 1], (replayed.replays, per_call)
+    assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
