@@ -9,6 +9,7 @@ traced on every call, never a wrong replay.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import warnings
 from typing import Any, Callable, Optional
@@ -181,11 +182,13 @@ def _with_scheduler(step: Callable[..., torch.Tensor], opt: torch.optim.Optimize
     return losses, per_call
 
 
-def _bound_step_trainer(m: nn.Module, optimizer: Callable[..., torch.optim.Optimizer]
+def _bound_step_trainer(m: nn.Module, optimizer: Callable[..., torch.optim.Optimizer], compiled: bool = False
                         ) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """As ``trainer``, but the optimizer's step is a bound method taken once, before any call."""
+    """As ``trainer``, but the optimizer's step is a bound method taken once, before any call (``compiled``:
+    compiled with the fused step backend)."""
     opt = optimizer(m.parameters())
-    fwd, opt_step = torch.compile(m, backend=names.STEP_BACKEND_NAME), opt.step
+    fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+    opt_step = torch.compile(opt.step, backend=names.STEP_BACKEND_NAME) if compiled else opt.step
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)
@@ -197,17 +200,19 @@ def _bound_step_trainer(m: nn.Module, optimizer: Callable[..., torch.optim.Optim
     return step, opt
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw_bound_step", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_bound_step", "adamw_compiled_step", "sgd"])
 def test_a_scheduled_tensor_learning_rate_is_a_program_input_where_read_as_a_tensor(
         dev: Any, optimizer: str) -> None:
     """A tensor lr that a scheduler fills every call: AdamW(capturable=True) reads it as a tensor, so the
-    replay transfers its new value (no retrace), however its step is called; SGD reads it as a number
+    replay transfers its new value (no retrace), however its step is called, eager or compiled (where the
+    compiled step's host scalars are its transfer); SGD reads it as a number
     (.item()), so a new value retraces (bounded, warned), never replayed stale. All bitwise as the traced
     loop; AdamW within 1e-6 of eager CPU."""
     cpu = model()
     data = batches(STEPS)
     traced_model, replayed_model = copy.deepcopy(cpu).to(dev), copy.deepcopy(cpu).to(dev)
-    make = _bound_step_trainer if optimizer == "adamw_bound_step" else trainer
+    make = (functools.partial(_bound_step_trainer, compiled=optimizer == "adamw_compiled_step")
+            if optimizer in ("adamw_bound_step", "adamw_compiled_step") else trainer)
     traced_step, traced_opt = make(traced_model, optimizer=_scheduled(optimizer, torch.tensor(0.01)))
     traced, _ = _with_scheduler(traced_step, traced_opt, data, dev)
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting, grad_sync, host_scalars
+from . import _private, counting, grad_sync, host_scalars, host_tape
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -503,7 +503,10 @@ class _Packed:
     device: str
 
     def value(self, args: Sequence[Any]) -> torch.Tensor:
-        return torch.stack([args[i] for i in self.positions]).to(self.device)
+        sources = [args[i] for i in self.positions]
+        value = torch.stack(sources).to(self.device)
+        host_tape.noted_transfer(value, sources)  # a replayed step's capture maps it to its sources
+        return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ change to it retraces (the replay's guards keep its version).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import weakref
 from typing import Any, Iterator, Optional, Sequence
@@ -144,6 +145,19 @@ class Tape(_private.TorchDispatchMode):
             self.uploads.append((value, node))
         return value
 
+    def note_transfer(self, value: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
+        """A transfer made outside the mode (a compiled optimizer step stacks its host scalars, see
+        deferred._Packed): a program input if every source is a tape value, else left unknown."""
+        nodes = [self._node_of.get(id(t)) for t in sources]
+        if any(n is None for n in nodes):
+            return
+        leaves, spec = pytree.tree_flatten((([_Ref(n) for n in nodes],), {}))
+        node = len(self.nodes)
+        self.nodes.append(_Node(torch.ops.aten.stack.default, tuple(leaves), spec, None))
+        self.roots_of.append(frozenset().union(*(self.roots_of[n] for n in nodes)))
+        self._value[node] = torch.stack([self._value[n] for n in nodes])
+        self.uploads.append((value, node))
+
     def inputs(self, constants: Sequence[torch.Tensor] = ()) -> Optional["HostInputs"]:
         """The transfers a replay redoes (those of roots that did not escape), or None if there are none.
 
@@ -153,7 +167,7 @@ class Tape(_private.TorchDispatchMode):
         """
         numbers = {(c.dtype, c.item()) for c in constants if c.dtype.is_floating_point}
         for k, value in self._value.items():
-            if any(value.to(dtype).item() == number for dtype, number in numbers):
+            if value.dim() == 0 and any(value.to(dtype).item() == number for dtype, number in numbers):
                 self.escaped |= self.roots_of[k]
         kept = [(value, node) for value, node in self.uploads if not (self.roots_of[node] & self.escaped)]
         if not kept:
@@ -168,17 +182,24 @@ class Tape(_private.TorchDispatchMode):
             node = self.nodes[k]
             if node is not None:
                 stack.extend(a.node for a in node.leaves if isinstance(a, _Ref))
-        by_dtype: dict[tuple[torch.dtype, str], list[int]] = {}
-        layout = []
+        # 0-dim transfers of one dtype go as one vector; another (a compiled step's packed scalars) as it is.
+        vectors: list[tuple[list[int], torch.dtype, str, Optional[list[int]]]] = []
+        by_dtype: dict[tuple[torch.dtype, str], int] = {}
+        layout: list[tuple[int, Optional[int]]] = []
         for value, node in kept:
-            group = by_dtype.setdefault((value.dtype, str(value.device)), [])
-            layout.append((list(by_dtype).index((value.dtype, str(value.device))), len(group)))
-            group.append(node)
+            if value.dim() != 0:
+                layout.append((len(vectors), None))
+                vectors.append(([node], value.dtype, str(value.device), list(value.shape)))
+                continue
+            v = by_dtype.setdefault((value.dtype, str(value.device)), len(vectors))
+            if v == len(vectors):
+                vectors.append(([], value.dtype, str(value.device), None))
+            layout.append((v, len(vectors[v][0])))
+            vectors[v][0].append(node)
         return HostInputs(
             roots=[weakref.ref(t) for t in self.roots],
             nodes=[(k, self.nodes[k]) for k in sorted(needed) if self.nodes[k] is not None],
-            vectors=[(nodes, dtype, device) for (dtype, device), nodes in by_dtype.items()],
-            uploads=[value for value, _ in kept], layout=layout,
+            vectors=vectors, uploads=[value for value, _ in kept], layout=layout,
             # Only roots that feed a kept transfer: one the tape never saw read gains nothing from dropping its guard.
             relaxed=frozenset(id(self.roots[k]) for _, node in kept for k in self.roots_of[node]),
         )
@@ -203,8 +224,9 @@ def _key(node: _Node) -> Optional[tuple]:
 class HostInputs:
     """The host values a replay transfers: recomputed from the roots' current values when one changed.
 
-    ``vectors[v]`` is ``(nodes, dtype, device)``: the nodes transferred together as one vector. ``uploads[k]`` is
-    the device value the capture read for transfer ``k`` and ``layout[k]`` its ``(vector, position)``.
+    ``vectors[v]`` is ``(nodes, dtype, device, shape)``: 0-dim nodes transferred together as one vector (shape
+    None), or one node transferred as it is (its shape). ``uploads[k]`` is the device value the capture read for
+    transfer ``k`` and ``layout[k]`` its ``(vector, position)`` (position None: the whole vector).
     ``relaxed``: the ids of the roots that are inputs (their versions need no guard). ``packed``: False for a
     program that reads each transfer as it was made (one 0-dim value each: the SPMD replay, which runs the
     traced program itself).
@@ -212,9 +234,9 @@ class HostInputs:
 
     roots: list[weakref.ref[torch.Tensor]]
     nodes: list[tuple[int, _Node]]
-    vectors: list[tuple[list[int], torch.dtype, str]]
+    vectors: list[tuple[list[int], torch.dtype, str, Optional[list[int]]]]
     uploads: list[torch.Tensor]
-    layout: list[tuple[int, int]]
+    layout: list[tuple[int, Optional[int]]]
     relaxed: frozenset[int]
     packed: bool = True
     _versions: Optional[tuple] = None
@@ -234,10 +256,10 @@ class HostInputs:
                     out = node.func(*args, **kwargs)
                     values[k] = out if node.index is None else out[node.index]
                 if self.packed:
-                    self._values = [torch.stack([values[k] for k in nodes]).to(device)
-                                    for nodes, _, device in self.vectors]
+                    self._values = [(torch.stack([values[k] for k in nodes]) if shape is None else
+                                     values[nodes[0]]).to(device) for nodes, _, device, shape in self.vectors]
                 else:
-                    self._values = [values[self.vectors[v][0][j]].to(self.vectors[v][2]) for v, j in self.layout]
+                    self._values = [values[self.vectors[v][0][j or 0]].to(self.vectors[v][2]) for v, j in self.layout]
             self._versions = versions
         return self._values
 
@@ -256,6 +278,7 @@ def recording(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[Optional[
         yield None
         return
     tape = Tape(roots)
+    active = _active.set(tape)
     owners = {id(o) for o in optimizers if hyperparameter_tensors([o])}
     entered: list[bool] = []
 
@@ -274,8 +297,20 @@ def recording(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[Optional[
     try:
         yield tape
     finally:
+        _active.reset(active)
         for handle in handles:
             handle.remove()
         while entered:  # a step that raised never reached its post hook
             entered.pop()
             tape.__exit__(None, None, None)
+
+
+# The tape of the capture being traced (set by recording() for its duration only).
+_active: contextvars.ContextVar[Optional[Tape]] = contextvars.ContextVar("host_tape", default=None)
+
+
+def noted_transfer(value: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
+    """Tells the tape of a capture being traced, if any, that ``value`` was transferred from ``sources``."""
+    tape = _active.get()
+    if tape is not None:
+        tape.note_transfer(value, sources)

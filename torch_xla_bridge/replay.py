@@ -434,17 +434,17 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
         if kind == _HOST:
             v, j = host.layout[source]
             if v not in host_vectors:
-                nodes, dtype, _ = host.vectors[v]
-                host_vectors[v] = add_input(_HOST, v, torch.empty(len(nodes), dtype=dtype, device="meta"))
-            body_args.append(host_vectors[v].slice_in_dim(j, j + 1, 0).reshape([]))
+                nodes, dtype, _, shape = host.vectors[v]
+                host_vectors[v] = add_input(_HOST, v, torch.empty(shape if j is None else [len(nodes)], dtype=dtype,
+                                                                  device="meta"))
+            body_args.append(host_vectors[v] if j is None else host_vectors[v].slice_in_dim(j, j + 1, 0).reshape([]))
             continue
         if kind == _STATE:
             source = weakref.ref(source)
         elif kind is None:
             if value.dim() != 0:
                 return None, (f"the step reads a tensor of shape {tuple(value.shape)} that is neither an argument, "
-                              "a module's parameter or buffer, nor optimizer state: pass it as an argument (a "
-                              "compiled optimizer step reads a tensor lr so: keep that step eager to replay)")
+                              "a module's parameter or buffer, nor optimizer state: pass it as an argument")
             kind, source = _CONSTANT, value  # a Python number of the trace, uploaded
         body_args.append(add_input(kind, source, value))
     # The traced program runs as one branch of a conditional on a predicate given at run time (always true):
