@@ -298,7 +298,7 @@ def test_a_scheduler_stepped_inside_the_step_keeps_it_traced(dev: Any, lr: str) 
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
 
 
-@pytest.mark.parametrize("case", ["dropout", "side_effect", "step_closure"])
+@pytest.mark.parametrize("case", ["dropout", "side_effect", "step_closure", "host_read"])
 def test_what_cannot_be_replayed_is_traced_on_every_call_with_one_warning(dev: Any, case: str) -> None:
     def loop(decorate: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, list[str]]:
         m = model(dropout=0.5 if case == "dropout" else 0.0).to(dev)
@@ -313,6 +313,8 @@ def test_what_cannot_be_replayed_is_traced_on_every_call_with_one_warning(dev: A
                 kept.append(loss * 2)  # a pending tensor the step keeps outside it
             elif case == "step_closure":
                 xm.add_step_closure(lambda: kept.append(torch.zeros(())))
+            elif case == "host_read":
+                kept.append(torch.tensor(loss.item()))  # a value read on the host inside the step
             return loss
 
         fn = torch_xla_bridge.replayed_step(with_side_effect) if decorate else with_side_effect
@@ -323,11 +325,13 @@ def test_what_cannot_be_replayed_is_traced_on_every_call_with_one_warning(dev: A
     traced_params, traced_kept, _, _ = loop(decorate=False)
     got_params, kept, replayed, messages = loop(decorate=True)
     cause = {"dropout": "draws random numbers", "side_effect": "pending tensors that are neither state",
-             "step_closure": "adds step closures"}[case]
+             "step_closure": "adds step closures", "host_read": "a value read on the host"}[case]
     assert [m for m in messages if "not replayed" in m] and all(cause in m for m in messages), messages
     assert replayed.replays == 0 and replayed.captures == 1, (replayed.replays, replayed.captures)
     # Exactly what the undecorated loop does: its side effects, its random numbers.
     assert len(kept) == len(traced_kept)
+    if case == "host_read":  # the values read inside the step are the traced loop's, call by call
+        assert [k.item() for k in kept] == [k.item() for k in traced_kept]
     assert all(torch.equal(a, b) for a, b in zip(got_params, traced_params))
 
 

@@ -447,7 +447,6 @@ else:
         _xm.set_rng_state((1012031 + _get_rng_seed() * 7012063) % 18446744073709551615, device)
 
     # Replaying a captured step (replay.py), as upstream's bridge replays an inference graph.
-    set_allow_execution: Callable[[bool], None] = _xla("_set_allow_execution", _XLAC)
     _xla("_run_cached_graph", _XLAC)
 
     def run_cached_graph(graph_hash: bytes, inputs: list) -> list:

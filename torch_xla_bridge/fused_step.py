@@ -45,12 +45,14 @@ materializes the forward's outputs and costs nothing twice: it is not such a rea
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch_xla
@@ -67,15 +69,34 @@ from .names import FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER, STEP_BACKEND_NAME
 log = logging.getLogger(__name__)
 
 
+# Set while a replayed step's capture traces the step (replay.py): its caller cuts the step after it.
+_cut_by_caller: contextvars.ContextVar[bool] = contextvars.ContextVar("cut_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def cut_by_caller() -> Iterator[None]:
+    """Within it, :func:`end_step` leaves the step pending: the caller cuts it (a capture traces the whole step
+    as one program, and anything else that executes inside it tells a step that is not one)."""
+    token = _cut_by_caller.set(True)
+    try:
+        yield
+    finally:
+        _cut_by_caller.reset(token)
+
+
 def end_step() -> None:
     """Cuts the step: everything pending on the device runs as one execution (asynchronously).
 
     Inside ``torch_xla.compile(fn, full_graph=True)`` no execution is allowed
     until ``fn`` returns, when torch_xla syncs: that sync is the cut, so this
     one is left to it and the step stays pending (one execution per call of ``fn``).
+    Inside :func:`cut_by_caller` too.
     """
     if not _private.execution_allowed():
         log.debug("inside torch_xla.compile(full_graph=True): the step is cut by its sync when the function returns")
+        return
+    if _cut_by_caller.get():
+        log.debug("a replayed step's capture: its caller cuts the step")
         return
     counting.bump(STEP_COUNTER)
     step = next(iter(_open), None)

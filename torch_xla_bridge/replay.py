@@ -6,7 +6,7 @@ function decorated with :func:`replayed_step` says so: it is the whole step
 (forward, backward, optimizer step, ``zero_grad``), its batch comes in as
 arguments, and it reads and writes the same tensors every call. After
 ``WARMUP_CALLS`` ordinary calls (the first creates the optimizer's state),
-one call is traced with executions held back and captured: the program
+one call is traced and, if nothing executed while it was, captured: the program
 its cut compiles (every pending tensor, in torch_xla's order, so the very
 program a traced call runs), where each input comes from (an argument by
 position, a module's or optimizer's tensor by reference, or a Python
@@ -279,7 +279,7 @@ class ReplayedStep:
             warnings.warn(f"{STEP_BACKEND_NAME} replayed step {name}: {message}", stacklevel=3)
 
     def _capture(self, args: tuple, flat: list, key: tuple, retraced: Optional[str]) -> Any:
-        """Traces one call with executions held back, captures its program, then cuts the step as usual
+        """Traces one call (nothing may execute inside it), captures its program, then cuts the step as usual
         (this call executes as a traced one does, then packs the state it writes; the next call replays).
         ``retraced``: why the call before was not a replay, if it was one (bumped where explain sees it)."""
         # Nothing pending before: what is pending after is this step's. A barrier advances the RNG seed: this
@@ -296,16 +296,19 @@ class ReplayedStep:
         closures = len(_private.step_closures())
         host_state = _host_state(optimizers)
         hyperparameters = [_optimizer_snapshot(o) for o in optimizers]
-        _private.set_allow_execution(False)
-        try:
-            with host_tape.recording(optimizers) as tape:
-                out = self.fn(*args)
-        finally:
-            _private.set_allow_execution(True)
+        # The fused step's own cut is left to this call; executions are not held back (torch_xla would fail
+        # the call at a read inside the step): one launched while the step is traced tells a step that is not
+        # one program, and this call goes on as a traced one.
+        launched = counting.launches()
+        with fused_step.cut_by_caller(), host_tape.recording(optimizers) as tape:
+            out = self.fn(*args)
         self.captures += 1
         counting.bump(REPLAY_CAPTURE_COUNTER)
         program, cause = None, None
-        if _private.rng_seed() != seed:
+        if counting.launches() != launched:
+            cause = ("the step executes inside it (a value read on the host, e.g. loss.item() or print(loss), or "
+                     "a sync): a replay would not run its Python; read values after the call")
+        elif _private.rng_seed() != seed:
             cause = "the step draws random numbers (dropout): a replay would draw the same ones"
         elif not all(map(_private.is_own_step_closure, _private.step_closures()[closures:])):
             cause = "the step adds step closures (xm.add_step_closure), which run only where a step is cut"
@@ -337,7 +340,7 @@ class ReplayedStep:
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
                 old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
                 modules: list[torch.nn.Module], tape: Optional[host_tape.Tape]) -> tuple[Optional["_Program"], str]:
-    """The captured program of a call traced with executions held back, or None and why it cannot be replayed.
+    """The captured program of a call traced with nothing executed, or None and why it cannot be replayed.
 
     ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
     each parameter's ``.grad`` then; ``modules``: the live modules; ``tape``: the host math on the optimizers'
