@@ -37,7 +37,8 @@ import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 
 import torch_xla_bridge  # noqa: E402
-from xla_helpers import FUSED_STEP, counter, executions, names  # noqa: E402
+from test_replay import trainer  # noqa: E402  (the loop as users write it)
+from xla_helpers import counter, executions, names  # noqa: E402
 
 CALLS, RESHARDED_AT = 9, 6  # the 7th call's batch is replicated
 
@@ -65,16 +66,7 @@ def training(replayed: bool, cpu: nn.Module) -> dict[str, Any]:
         spec: list[Any] = [None] * p.dim()
         spec[list(p.shape).index(max(p.shape))] = "data"
         xs.mark_sharding(p, mesh, tuple(spec))
-    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    fwd = torch.compile(m, backend=FUSED_STEP)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
-        loss = F.mse_loss(fwd(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step, _ = trainer(m)  # SGD with momentum, the model compiled with the fused step
     fn: Callable[..., torch.Tensor] = torch_xla_bridge.replayed_step(step) if replayed else step
     losses, per_call, compiles = [], [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -109,17 +101,8 @@ def fsdpv2(replayed: bool) -> dict[str, Any]:
     mesh = fsdpv2_checks.mesh()
     torch.manual_seed(0)
     wrapped = SpmdFullyShardedDataParallel(fsdpv2_checks.Model(False).to(torch_xla.device()), mesh=mesh)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=torch.tensor(1e-2), capturable=True)
+    step, opt = trainer(wrapped, optimizer=lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), capturable=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
-    model = torch.compile(wrapped, backend=FUSED_STEP)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
     fn: Callable[..., torch.Tensor] = torch_xla_bridge.replayed_step(step) if replayed else step
     g = torch.Generator().manual_seed(1)
     losses, per_call = [], []
