@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 WARMUP_CALLS = 2
 # Captures per decorated function (the first included) before it is always traced.
 MAX_CAPTURES = 8
+# Captures in a row invalidated before their first replay (what they assumed changes every call: a float lr a
+# scheduler sets) before it is always traced: each cost a capture and gave nothing.
+UNREPLAYED_CAPTURES = 2
 
 # Where a replayed program's input comes from.
 _FLAT, _ARG, _STATE, _CONSTANT, _HOST = 0, 1, 2, 3, 4
@@ -154,6 +157,7 @@ class _Program:
     # Unpacked (under SPMD, see _unpacked_program): each written tensor and its output index.
     writes: list[tuple[weakref.ref[torch.Tensor], int]] = dataclasses.field(default_factory=list)
     flats: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    replays: int = 0
 
     def pack(self) -> None:
         """Packs each group's current values into its flat buffer (one execution) and makes every member a view
@@ -240,6 +244,7 @@ class ReplayedStep:
         self.traced_because: Optional[str] = None
         self._program: Optional[_Program] = None
         self._warned: set[str] = set()
+        self._unreplayed = 0  # captures in a row invalidated before their first replay
 
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
@@ -253,12 +258,18 @@ class ReplayedStep:
                 try:
                     out = program.run(flat)
                     self.replays += 1
+                    program.replays += 1
                     return out
                 except _Stale as stale:
                     retraced = str(stale)
             self._program = None
             program.unpack()
             self._warn(f"traced again: {REPLAY_RETRACE_CAUSES[retraced]}")
+            self._unreplayed = 0 if program.replays else self._unreplayed + 1
+            if self._unreplayed >= UNREPLAYED_CAPTURES and self.traced_because is None:
+                self._always_trace(f"{self._unreplayed} captures in a row were traced again before their first "
+                                   f"replay, as {REPLAY_RETRACE_CAUSES[retraced]}: what changes every call should "
+                                   "be an input")
         if self.traced_because is not None or self.calls <= WARMUP_CALLS or self.captures >= MAX_CAPTURES:
             if self.traced_because is None and self.captures >= MAX_CAPTURES:
                 self._always_trace(f"captured {MAX_CAPTURES} times: what changes between calls should be an input")
