@@ -49,6 +49,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 from bench import ROOT  # noqa: E402
@@ -101,8 +102,8 @@ def _busy_seconds(samples: list[tuple[float, float]]) -> float:
 class Trainer:
     """One mode's training step on a workload of bench/models.py, with its measurements."""
 
-    def __init__(self, mode: str, workload: str, loop: str = LOOP) -> None:
-        self.step, model = build_step(dict(workload=workload, mode=mode, loop=loop))
+    def __init__(self, mode: str, workload: str, loop: str = LOOP, spmd: bool = False) -> None:
+        self.step, model = build_step(dict(workload=workload, mode=mode, loop=loop, spmd=spmd))
         self.tensors = len(list(model.parameters()))
         self.host: list[float] = []
         self.host_cpu: list[float] = []
@@ -154,11 +155,11 @@ class Trainer:
 
 
 def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, steps: int, block: int,
-                     loop: str = LOOP) -> dict:
+                     loop: str = LOOP, spmd: bool = False) -> dict:
     """Each mode's trainer in a process of its own (:func:`serve`, :class:`bench.worker.TrainerProcess`),
     their turns alternated round by round."""
     procs = {m: TrainerProcess(f"{m} on {workload}", "bench.host_time", "--serve", m, "--workload", workload,
-                               "--loop", loop) for m in modes}
+                               "--loop", loop, *(["--spmd"] if spmd else [])) for m in modes}
     try:
         for m in modes:  # one at a time: compiles do not compete for the cores
             procs[m].ask(f"warmup {warmup}")
@@ -173,14 +174,16 @@ def measure_workload(workload: str, modes: list[str], warmup: int, rounds: int, 
     return dict(workload=workload, loop=loop, rows=rows)
 
 
-def serve(mode: str, workload: str, loop: str) -> None:
+def serve(mode: str, workload: str, loop: str, spmd: bool = False) -> None:
     """One mode's trainer, run on command from stdin, one reply line per command on stdout.
 
     ``warmup N``: N steps, drained; ``turn STEPS BLOCK``: STEPS timed steps
     and one pipelined block; ``summary``: the trainer's figures as JSON.
     """
     out = replies_on_stdout()
-    trainer = Trainer(mode, workload, loop)
+    if spmd:
+        xr.use_spmd()  # before the trainer touches a device
+    trainer = Trainer(mode, workload, loop, spmd)
     for line in sys.stdin:
         command, *counts = line.split()
         n = [int(c) for c in counts]
@@ -200,7 +203,8 @@ def serve(mode: str, workload: str, loop: str) -> None:
         out.flush()
 
 
-def run_workload(workload: str, modes: list[str], counts: dict[str, int], loop: str = LOOP) -> dict:
+def run_workload(workload: str, modes: list[str], counts: dict[str, int], loop: str = LOOP,
+                 spmd: bool = False) -> dict:
     """`measure_workload` in a fresh process: one row per mode, or an error row per mode.
 
     A process per workload: XLA keeps every executable it compiled for the
@@ -208,8 +212,10 @@ def run_workload(workload: str, modes: list[str], counts: dict[str, int], loop: 
     out of memory mappings (vm.max_map_count) while compiling bank1000's.
     """
     cmd = [sys.executable, "-m", "bench.host_time", "--one", workload, "--modes", ",".join(modes), "--loop", loop]
-    cmd += [f"--{k}={v}" for k, v in counts.items()]
+    cmd += [f"--{k}={v}" for k, v in counts.items()] + (["--spmd"] if spmd else [])
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
+    if spmd:
+        env.setdefault("CPU_NUM_DEVICES", "4")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and lines:
@@ -282,7 +288,9 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores; PJRT_DEVICE={info['pjrt_device']}; "
         f"torch {info['torch']}, torch_xla {info['torch_xla']}. Loop `{loop}` "
-        f"({'' if LOOPS[loop].scheduled else 'SGD with momentum; '}{LOOPS[loop].label}). {c['rounds']} rounds, modes alternated; per round "
+        f"({'' if LOOPS[loop].scheduled else 'SGD with momentum; '}{LOOPS[loop].label})"
+        f"{'; SPMD, parameters sharded FSDP-style and batches over their rows' if report.get('spmd') else ''}. "
+        f"{c['rounds']} rounds, modes alternated; per round "
         f"and mode {c['steps']} steps from an idle device and one pipelined block of {c['block']} steps.",
         "",
         "host: the step's Python call from an idle device until it returns (median, p25–p75); "
@@ -391,6 +399,9 @@ def main(argv: Iterable[str] | None = None) -> None:
                     help="an interpreter with jax for the JAX reference (default: $BENCH_JAX_PYTHON, else this one "
                          "if it has jax)")
     ap.add_argument("--loop", default=LOOP, choices=list(LOOPS), help=f"a loop of bench/loops.py (default {LOOP})")
+    ap.add_argument("--spmd", action="store_true",
+                    help="under SPMD: parameters sharded FSDP-style over every device, batches over their rows "
+                         "(PJRT CPU: CPU_NUM_DEVICES, default 4)")
     ap.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)  # one workload's JSON (run_workload)
     ap.add_argument("--profile", metavar="MODE", help="instead: cProfile 20 steps of MODE on --workload")
     ap.add_argument("--serve", metavar="MODE", help=argparse.SUPPRESS)  # one mode's trainer (serve)
@@ -400,7 +411,7 @@ def main(argv: Iterable[str] | None = None) -> None:
         profile(args.profile, args.workload)
         return
     if args.serve:
-        serve(args.serve, args.workload, args.loop)
+        serve(args.serve, args.workload, args.loop, args.spmd)
         return
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in (*MODES, REPLAYED)]:
@@ -408,21 +419,24 @@ def main(argv: Iterable[str] | None = None) -> None:
     counts = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
     workloads = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     if args.one:
-        print(json.dumps(measure_workload(args.one, modes, **counts, loop=args.loop)))
+        print(json.dumps(measure_workload(args.one, modes, **counts, loop=args.loop, spmd=args.spmd)))
         return
     out = args.out or ROOT / "docs" / "benchmarks" / ("quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, loop=args.loop, workloads=[])
+    report: dict[str, Any] = dict(machine=machine(), quick=args.quick, counts=counts, loop=args.loop,
+                                  spmd=args.spmd, workloads=[])
     for w in workloads:
         t0 = time.perf_counter()
-        report["workloads"].append(run_workload(w, modes, counts, args.loop))
+        report["workloads"].append(run_workload(w, modes, counts, args.loop, args.spmd))
         print(f"{w}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         # Written as it goes: a later workload's crash keeps the earlier ones.
         (out / "host_time.json").write_text(json.dumps(report, indent=1))
     python = jax_python(args.jax_python)
     if python is None:
         report["jax_note"] = "jax not available"
+    elif args.spmd:
+        python, report["jax_note"] = None, "no jax.jit reference under SPMD"
     elif LOOPS[args.loop].scheduled:
         python, report["jax_note"] = None, "no jax.jit reference for this loop (the reference trains with SGD)"
     for w in report["workloads"]:

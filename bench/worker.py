@@ -95,6 +95,8 @@ def _build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Modu
         torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     g = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(dev) for t in workload.make_batch(g)) for _ in range(micro)]
+    if cfg.get("spmd"):
+        _shard(model, batches)
 
     def loss_of(*batch: torch.Tensor) -> torch.Tensor:
         return workload.loss(model, batch) / micro
@@ -167,6 +169,26 @@ def _build_trainer(cfg: dict) -> tuple[Callable[[], torch.Tensor], torch.nn.Modu
 
         return step, model, opt
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def _shard(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]) -> None:
+    """Under SPMD, FSDP-style on a 1-D mesh of every device: each parameter split along its largest dimension
+    the devices divide (replicated if none does), each batch tensor along its first."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    for p in model.parameters():
+        dims = [d for d in range(p.dim()) if p.shape[d] % n == 0]
+        if dims:
+            spec: list[Any] = [None] * p.dim()
+            spec[max(dims, key=lambda d: p.shape[d])] = "data"
+            xs.mark_sharding(p, mesh, tuple(spec))
+    for t in (t for batch in batches for t in batch):
+        if t.dim() and t.shape[0] % n == 0:
+            xs.mark_sharding(t, mesh, ("data",) + (None,) * (t.dim() - 1))
 
 
 def resident_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
