@@ -219,10 +219,11 @@ class _Program:
         for flat, value in zip(self.flats, outputs):
             _private.restore_value(flat, _private.inner_value(value))
         _private.settle(self.flats)
-        for ref, k in self.writes:
-            t = ref()
+        written = [(ref(), k) for ref, k in self.writes]
+        for t, k in written:
             if t is not None:
                 _private.restore_value(t, _private.inner_value(outputs[k]))
+        _private.settle([t for t, _ in written if t is not None])
         first = len(self.flats)
         leaves = [outputs[first + v] if is_output else v for is_output, v in self.result_leaves]
         return pytree.tree_unflatten(leaves, self.result)
