@@ -94,11 +94,13 @@ def test_replays_after_warm_up_bitwise_as_the_traced_step_and_as_eager_cpu(dev: 
         compiles = counting.counter(names.UNCACHED_COMPILE_COUNTER)
         more, more_calls = run(replayed, data[4:], dev)
     losses += more
-    # Two traced calls, a third traced and captured (its step, then the state it writes packed into flat
-    # buffers: two executions), then replays: one execution each, nothing compiled.
+    # Two traced calls, a third traced and captured (its step; the packed program run on the state before it,
+    # for the check: two; the state it writes packed into flat buffers; the check: five executions), then
+    # replays: one execution each, nothing compiled.
     assert (replayed.calls, replayed.captures, replayed.replays) == (STEPS, 1, STEPS - 3)
+    assert replayed.packed
     assert counting.counter(names.REPLAY_COUNTER) - replay_count == STEPS - 3
-    assert per_call[2:] + more_calls == [2] + [1] * (STEPS - 3), per_call + more_calls
+    assert per_call[2:] + more_calls == [5] + [1] * (STEPS - 3), per_call + more_calls
     assert counting.counter(names.UNCACHED_COMPILE_COUNTER) == compiles
     assert losses == traced
     assert all(torch.equal(a, b) for a, b in zip(params(replayed_model), params(traced_model)))
@@ -510,12 +512,17 @@ def test_explain_reports_replays_captures_and_why_a_step_was_traced_again(dev: A
                 replayed(x.to(dev), y.to(dev))
     steps = ex.report.steps
     assert [s.replays for s in steps] == [0, 0, 0, 1, 1, 0, 1], [s.replays for s in steps]
-    assert [s.total for s in steps[2:]] == [2, 1, 1, 3, 1], [s.total for s in steps]
+    # A capture: the check's run of the packed program on the state before (two), the step, the check's
+    # comparison, the packing; a retrace unpacks first.
+    assert [s.total for s in steps[2:]] == [5, 1, 1, 6, 1], [s.total for s in steps]
     capture, replay, retrace = steps[2], steps[3], steps[5]
-    assert "capture" in capture.executions[0].detail and "packed" in capture.executions[1].detail
+    details = [x.detail for x in capture.executions]
+    assert "capture" in details[0] and "cuts the step" in details[2] and "packed" in details[4], details
+    assert all("compared with the call's values" in details[i] for i in (0, 1, 3)), details
     assert replay.executions[0].detail.startswith("replayed step: the captured step's program")
     assert "unpacked" in retrace.executions[0].detail
-    assert "traced again: an optimizer's parameters or hyperparameters changed" in retrace.executions[1].detail
+    assert any("traced again: an optimizer's parameters or hyperparameters changed" in x.detail
+               for x in retrace.executions), [x.detail for x in retrace.executions]
 
 
 def test_a_hugging_face_gpt2_with_tied_weights_replays_bitwise(dev: Any) -> None:
@@ -622,3 +629,41 @@ def test_a_replay_whose_execution_fails_changes_nothing_and_training_goes_on(dev
     _, per_call = run(replayed, data[failing + 1:], dev)
     assert replayed.replays == replays + 2 and per_call == [1, 1], (replayed.replays, per_call)
     assert all(torch.equal(a, b) for a, b in zip(params(m), params(traced_model)))
+
+
+def test_a_packed_program_that_differs_from_the_traced_call_is_replaced_by_the_traced_program(dev: Any) -> None:
+    """A small CNN (convolutions, BatchNorm, clip_grad_norm_, weight decay): XLA compiles the traced program
+    embedded in the packed one otherwise than alone, and the capture's check (the packed program run on the state
+    before the call, compared with the call's values) finds it 1e-7 apart. The next call captures the traced
+    program itself, unpacked, and the replays are bitwise the traced loop's."""
+    def make(m: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        fwd = torch.compile(m, backend=names.STEP_BACKEND_NAME)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(fwd(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            return loss
+
+        return step
+
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
+                        nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).to(dev)
+    traced_cnn = copy.deepcopy(cnn)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(6)]
+    traced, _ = run(make(traced_cnn), data, dev)
+    replayed = torch_xla_bridge.replayed_step(make(cnn))
+    losses, per_call = run(replayed, data, dev)
+    # Call 3 captured and checked (no packing: it differs), call 4 captured unpacked, calls 5-6 replayed.
+    assert not replayed.packed and (replayed.captures, replayed.replays) == (2, 2), (replayed.captures,
+                                                                                   replayed.replays)
+    assert per_call[4:] == [1, 1], per_call
+    assert losses == traced
+    assert all(torch.equal(a, b) for a, b in zip(
+        [t.detach().cpu() for t in (*cnn.parameters(), *cnn.buffers())],
+        [t.detach().cpu() for t in (*traced_cnn.parameters(), *traced_cnn.buffers())]))

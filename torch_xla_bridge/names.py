@@ -53,6 +53,8 @@ REPLAY_CAPTURE_COUNTER = "OpenxlaFusedStepReplayCapture"
 # unpacks it (before it is traced again): one execution each.
 REPLAY_PACK_COUNTER = "OpenxlaFusedStepReplayPack"
 REPLAY_UNPACK_COUNTER = "OpenxlaFusedStepReplayUnpack"
+# Bumped before each execution of a capture's check of its packed program against the traced call.
+REPLAY_CHECK_COUNTER = "OpenxlaFusedStepReplayCheck"
 # Why a replayed step was traced again: the counter bumped for each cause, and what its warning and explain say.
 RETRACE_ARGUMENTS = "OpenxlaFusedStepRetraceArguments"
 RETRACE_MODULES = "OpenxlaFusedStepRetraceModules"

@@ -20,7 +20,9 @@ tracing, no autograd engine, no walk of live tensors, no work per tensor
 but the guards.
 
 Invariants: a replay computes what tracing the call computes, bitwise (the
-traced program, embedded as a conditional's branch so XLA fuses it alike);
+traced program, embedded as a conditional's branch so XLA fuses it alike,
+checked at capture against the traced call; where it differs, the traced
+program itself, unpacked);
 a call whose guards fail unpacks the state and is traced again (counted,
 warned once per cause) and captured anew, at most ``MAX_CAPTURES`` times,
 after which the step is always traced; what cannot be replayed safely (a
@@ -53,7 +55,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from . import _private, counting, fused_step, host_tape
-from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
+from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_CHECK_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
                     REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
                     RETRACE_MODULES, RETRACE_OPTIMIZER, RETRACE_REQUIRES_GRAD, RETRACE_STATE, RETRACE_TRAINING,
                     STEP_BACKEND_NAME, VALIDATION_COUNTER)
@@ -190,15 +192,46 @@ class _Program:
         counting.bump(REPLAY_UNPACK_COUNTER)
         torch_xla.sync()
 
-    def run(self, flat_args: Sequence[Any]) -> Any:
-        """One replay: the program on the current inputs, the flat buffers given their new values."""
-        # A view written since (a load_state_dict's copy_) is applied to its flat buffer now.
-        _private.settle(self.flats)
+    def shadow(self, flat_args: Sequence[Any], old: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Before the capture call's cut: the packed program run on the state as it was before the call
+        (``old``: each written tensor's value then, by id; zeros for one the step only writes), for
+        :meth:`matches` to compare with what the traced call computes (two executions, at capture only)."""
+        with torch.no_grad():
+            flats = [torch.cat([old[id(t)].reshape(-1) if id(t) in old else
+                                torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
+                                for t in (ref() for ref in group)]) for group in self.groups]
+        inputs = self._inputs(flats, flat_args)
+        # The old flat buffers, and any input still pending (the predicate), computed first: one execution.
+        inner = [_private.inner_value(t) for t in inputs]
+        counting.bump(REPLAY_CHECK_COUNTER)
+        _private.XLAC._xla_sync_multi([t for t, p in zip(inner, _private.need_materialization(inner)) if p],
+                                      devices=[], wait=False)
+        counting.bump(REPLAY_CHECK_COUNTER)
+        return _private.run_cached_graph(self.graph_hash, inputs)
+
+    def matches(self, shadow: list[torch.Tensor], results: Sequence[torch.Tensor]) -> bool:
+        """Whether the shadow run's outputs are, bit for bit (NaN as NaN), the state and the results the traced
+        call computed (after its cut, before :meth:`pack`; one execution). XLA may compile the program embedded
+        in the replayed one otherwise than alone (seen: a ResNet-18 step, 1e-7 apart)."""
+        with torch.no_grad():
+            expected = [*(torch.cat([ref().detach().reshape(-1) for ref in group]) for group in self.groups),
+                        *results]
+            same = [((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all()
+                    for a, b in zip(shadow, expected)]
+            if not same:
+                return True
+            ok = torch.stack(same).all()
+            # Executed through a sync (explain tells it by the counter), then read without executing.
+            counting.bump(REPLAY_CHECK_COUNTER)
+            _private.XLAC._xla_sync_multi([ok], devices=[], wait=True)
+            return bool(ok.item())
+
+    def _inputs(self, flats: Sequence[torch.Tensor], flat_args: Sequence[Any]) -> list[Any]:
         inputs = []
         host = self.host.values() if self.host is not None else []
         for kind, source in self.sources:
             if kind == _FLAT:
-                inputs.append(_private.inner_value(self.flats[source]))
+                inputs.append(_private.inner_value(flats[source]))
             elif kind == _ARG:
                 inputs.append(flat_args[source])
             elif kind == _HOST:
@@ -210,6 +243,13 @@ class _Program:
                 inputs.append(t)
             else:
                 inputs.append(source)
+        return inputs
+
+    def run(self, flat_args: Sequence[Any]) -> Any:
+        """One replay: the program on the current inputs, the flat buffers given their new values."""
+        # A view written since (a load_state_dict's copy_) is applied to its flat buffer now.
+        _private.settle(self.flats)
+        inputs = self._inputs(self.flats, flat_args)
         if any(_private.need_materialization([_private.inner_value(t) for t in inputs])):
             # Written between calls (a hand-made update, a pending batch): synced first, as a traced step would.
             log.debug("replayed step: pending inputs synced before the replay")
@@ -246,6 +286,9 @@ class ReplayedStep:
         self._program: Optional[_Program] = None
         self._warned: set[str] = set()
         self._unreplayed = 0  # captures in a row invalidated before their first replay
+        # Whether a capture packs the state it writes; False once a packed program failed its check against the
+        # traced call (see _Program.matches): later captures replay the traced program itself, unpacked.
+        self.packed = True
 
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
@@ -331,7 +374,16 @@ class ReplayedStep:
             cause = ("the step changes an optimizer's hyperparameters (a scheduler stepped inside it), which a "
                      "replay would leave as they were: step the scheduler outside the decorated step")
         else:
-            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, modules, tape)
+            program, cause = _program_of(out, flat, key, state, old, old_grads, optimizers, modules, tape,
+                                         packed=self.packed)
+        # A packed program run on the state before the call (before the cut donates its buffers), to be compared
+        # with what the call computes. Its launches are this capture's, not a read inside the step: discounted
+        # as the fused step's launch count discounts a compile that runs nothing (see counting.launches).
+        shadow = None
+        if program is not None and program.groups:
+            launched = counting.launches()
+            shadow = program.shadow(flat, {id(t): v for t, v in zip(state, old)})
+            _private.increment_counter(VALIDATION_COUNTER, counting.launches() - launched)
         del old
         if retraced is not None:  # after the capture's own barrier: explain reads it at the cut
             counting.bump(retraced)
@@ -340,6 +392,19 @@ class ReplayedStep:
         if program is None:
             self._always_trace(cause)
             return out
+        if shadow is not None:
+            leaves, _ = pytree.tree_flatten(out)
+            results = [leaf for leaf, (is_output, _) in
+                       sorted(zip(leaves, program.result_leaves), key=lambda p: p[1][1] if p[1][0] else -1)
+                       if is_output]
+            if any(ref() is None for group in program.groups for ref in group):
+                self._always_trace(REPLAY_RETRACE_CAUSES[RETRACE_FREED])
+                return out
+            if not program.matches(shadow, results):
+                # Not bitwise the traced call's: the next call captures the traced program itself, unpacked.
+                log.debug("replayed step: the packed program differs from the traced call; captured unpacked next")
+                self.packed = False
+                return out
         try:
             program.pack()
         except _Stale as stale:
@@ -351,7 +416,8 @@ class ReplayedStep:
 
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
                 old_grads: dict[int, Optional[torch.Tensor]], optimizers: list[torch.optim.Optimizer],
-                modules: list[torch.nn.Module], tape: Optional[host_tape.Tape]) -> tuple[Optional["_Program"], str]:
+                modules: list[torch.nn.Module], tape: Optional[host_tape.Tape], packed: bool = True
+                ) -> tuple[Optional["_Program"], str]:
     """The captured program of a call traced with nothing executed, or None and why it cannot be replayed.
 
     ``state``: the module and optimizer tensors, ``old`` their values before the call (held), ``old_grads``
@@ -396,7 +462,7 @@ def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old
     inner = [_private.inner_value(t) for t in program]
     del live, pending_live, others, program
     xm.wait_device_ops()  # the buffers below are assigned (a handle in flight is a placeholder's)
-    if xr.is_spmd():
+    if xr.is_spmd() or not packed:
         return _unpacked_program(inner, position, flat, key, state, old, params, writes, results, result_flat,
                                  result_spec, known, optimizers, modules, tape)
     ctx = _private.LoweringContext("ReplayedStepBody")

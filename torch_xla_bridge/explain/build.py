@@ -32,6 +32,7 @@ from ..names import (
     INPUT_SYNC_COUNTER,
     OPTIMIZER_SYNC_COUNTER,
     REPLAY_CAPTURE_COUNTER,
+    REPLAY_CHECK_COUNTER,
     REPLAY_COUNTER,
     REPLAY_PACK_COUNTER,
     REPLAY_RETRACE_CAUSES,
@@ -47,7 +48,7 @@ from .report import FUSED_GRAD_SYNC, Cause, Execution, ExecutionReport, Step
 COUNTED = (
     INPUT_SYNC_COUNTER, SYNC_COUNTER, STEP_COUNTER, OPTIMIZER_SYNC_COUNTER, FORWARD_ALONE_COUNTER, FRESH_STATE_COUNTER,
     FOLD_COUNTER, UNFOLDED_COUNTER, *COMPILE_COUNTERS, REPLAY_COUNTER, REPLAY_CAPTURE_COUNTER, REPLAY_PACK_COUNTER,
-    REPLAY_UNPACK_COUNTER, *REPLAY_RETRACE_CAUSES,
+    REPLAY_UNPACK_COUNTER, REPLAY_CHECK_COUNTER, *REPLAY_RETRACE_CAUSES,
 )
 # Causes whose execution opens a new step when the current one is complete.
 _OPENING = {Cause.FORWARD, Cause.INPUT_SYNC}
@@ -69,6 +70,10 @@ def classify(call: ev.CallStarted) -> tuple[Cause, str]:
     return cause, detail
 
 
+_REPLAY_CHECK = ("replayed step: its packed program run on the state before the capture call and compared with "
+                 "the call's values, once at capture (unpacked if they differ)")
+
+
 def _is_replay(call: ev.CallStarted) -> bool:
     return call.entry == ev.RUN_CACHED_GRAPH and bool(call.counters.get(REPLAY_COUNTER))
 
@@ -76,6 +81,8 @@ def _is_replay(call: ev.CallStarted) -> bool:
 def _classify(call: ev.CallStarted) -> tuple[Cause, str]:
     signal = call.counters.get
     target = _target(call)
+    if signal(REPLAY_CHECK_COUNTER):
+        return Cause.OTHER, _REPLAY_CHECK
     if _is_replay(call):
         return (Cause.MARK_STEP, "replayed step: the captured step's program on this call's batch and state, "
                 "one execution, nothing traced (forward, backward, optimizer)")
@@ -239,10 +246,14 @@ class ReportBuilder:
     def _on_Gap(self, e: ev.Gap) -> None:
         # After a mark_step ended the step, these belong to the next one (in a
         # lazy loop a value read can be the first execution of a step).
-        if e.executions and not e.at_exit and self._state == "sync" and not self._manual:
+        # A replayed step's check at its capture reads a value after the cut: still the capture's step.
+        check = bool(e.counters.get(REPLAY_CHECK_COUNTER))
+        if e.executions and not e.at_exit and self._state == "sync" and not self._manual and not check:
             self._close()
         alone = len(e.executions) == 1
         new = [_gap_execution(x, e.materialized, alone) for x in e.executions]
+        for x in new if check else ():
+            x.cause, x.detail = Cause.OTHER, _REPLAY_CHECK
         for x in new:
             if x.cause is Cause.GRAD_READ and not self._compiled_backward:
                 x.cause = Cause.VALUE_READ
