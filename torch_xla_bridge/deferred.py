@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch_xla
 
-from . import _private, counting, grad_sync, host_scalars, host_tape
+from . import _private, counting, grad_sync, host_scalars
 from .names import USER_COMPUTATION_NAME, VALIDATION_COUNTER
 
 log = logging.getLogger(__name__)
@@ -503,10 +503,7 @@ class _Packed:
     device: str
 
     def value(self, args: Sequence[Any]) -> torch.Tensor:
-        sources = [args[i] for i in self.positions]
-        value = torch.stack(sources).to(self.device)
-        host_tape.noted_transfer(value, sources)  # a replayed step's capture maps it to its sources
-        return value
+        return torch.stack([args[i] for i in self.positions]).to(self.device)
 
 
 @dataclasses.dataclass(frozen=True)

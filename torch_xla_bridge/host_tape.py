@@ -24,7 +24,6 @@ change to it retraces (the replay's guards keep its version).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import weakref
 from typing import Any, Iterator, Optional, Sequence
@@ -147,7 +146,7 @@ class Tape(_private.TorchDispatchMode):
 
     def note_transfer(self, value: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
         """A transfer made outside the mode (a compiled optimizer step stacks its host scalars, see
-        deferred._Packed): a program input if every source is a tape value, else left unknown."""
+        replay._compiled_transfers_noted): a program input if every source is a tape value, else left unknown."""
         nodes = [self._node_of.get(id(t)) for t in sources]
         if any(n is None for n in nodes):
             return
@@ -278,7 +277,6 @@ def recording(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[Optional[
         yield None
         return
     tape = Tape(roots)
-    active = _active.set(tape)
     owners = {id(o) for o in optimizers if hyperparameter_tensors([o])}
     entered: list[bool] = []
 
@@ -297,20 +295,9 @@ def recording(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[Optional[
     try:
         yield tape
     finally:
-        _active.reset(active)
         for handle in handles:
             handle.remove()
         while entered:  # a step that raised never reached its post hook
             entered.pop()
             tape.__exit__(None, None, None)
 
-
-# The tape of the capture being traced (set by recording() for its duration only).
-_active: contextvars.ContextVar[Optional[Tape]] = contextvars.ContextVar("host_tape", default=None)
-
-
-def noted_transfer(value: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
-    """Tells the tape of a capture being traced, if any, that ``value`` was transferred from ``sources``."""
-    tape = _active.get()
-    if tape is not None:
-        tape.note_transfer(value, sources)

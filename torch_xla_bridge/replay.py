@@ -38,6 +38,7 @@ program and flat buffers, and, weakly, the tensors it reads and writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -46,7 +47,7 @@ import logging
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,7 +55,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from . import _private, counting, fused_step, host_tape
+from . import _private, counting, deferred, fused_step, host_tape
 from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_CHECK_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
                     REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
                     RETRACE_MODULES, RETRACE_OPTIMIZER, RETRACE_REQUIRES_GRAD, RETRACE_STATE, RETRACE_TRAINING,
@@ -355,7 +356,7 @@ class ReplayedStep:
         # the call at a read inside the step): one launched while the step is traced tells a step that is not
         # one program, and this call goes on as a traced one.
         launched = counting.launches()
-        with fused_step.cut_by_caller(), host_tape.recording(optimizers) as tape:
+        with fused_step.cut_by_caller(), host_tape.recording(optimizers) as tape, _compiled_transfers_noted(tape):
             out = self.fn(*args)
         self.captures += 1
         counting.bump(REPLAY_CAPTURE_COUNTER)
@@ -412,6 +413,28 @@ class ReplayedStep:
             return out
         self._program = program
         return out
+
+
+@contextlib.contextmanager
+def _compiled_transfers_noted(tape: Optional[host_tape.Tape]) -> Iterator[None]:
+    """While a capture traces: a compiled optimizer step's host scalars, stacked and transferred by its deferred
+    graph (``deferred._Packed``), noted to the tape, which maps them to the tensor hyperparameters they are.
+    The method is wrapped for the trace only (deferred stays as upstream's patch has it)."""
+    if tape is None:
+        yield
+        return
+    original = deferred._Packed.value
+
+    def value(packed: deferred._Packed, args: Sequence[Any]) -> torch.Tensor:
+        out = original(packed, args)
+        tape.note_transfer(out, [args[i] for i in packed.positions])
+        return out
+
+    deferred._Packed.value = value
+    try:
+        yield
+    finally:
+        deferred._Packed.value = original
 
 
 def _program_of(out: Any, flat: list, key: tuple, state: list[torch.Tensor], old: list[torch.Tensor],
