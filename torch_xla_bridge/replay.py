@@ -56,8 +56,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from . import _private, counting, deferred, fused_step, host_tape
-from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_CHECK_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER, REPLAY_PROGRAM_NAME,
-                    REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
+from .names import (REPLAY_CAPTURE_COUNTER, REPLAY_CHECK_COUNTER, REPLAY_COUNTER, REPLAY_PACK_COUNTER,
+                    REPLAY_PROGRAM_NAME, REPLAY_RETRACE_CAUSES, REPLAY_UNPACK_COUNTER, RETRACE_ARGUMENTS, RETRACE_FREED, RETRACE_GRAD,
                     RETRACE_MODULES, RETRACE_OPTIMIZER, RETRACE_REQUIRES_GRAD, RETRACE_STATE, RETRACE_TRAINING,
                     STEP_BACKEND_NAME, VALIDATION_COUNTER)
 
@@ -165,9 +165,7 @@ class _Program:
     def pack(self) -> None:
         """Packs each group's current values into its flat buffer (one execution) and makes every member a view
         of its part (``.data``: the same tensor objects, parameters stay leaves)."""
-        members = [[ref() for ref in group] for group in self.groups]
-        if any(t is None for group in members for t in group):
-            raise _Stale(RETRACE_FREED)
+        members = self._members()
         if not members:  # unpacked
             return
         with torch.no_grad():
@@ -179,6 +177,13 @@ class _Program:
             for t in group:
                 t.data = flat[offset:offset + t.numel()].view(t.shape)
                 offset += t.numel()
+
+    def _members(self) -> list[list[torch.Tensor]]:
+        """The written tensors of each flat buffer; :class:`_Stale` if one was freed."""
+        members = [[ref() for ref in group] for group in self.groups]
+        if any(t is None for group in members for t in group):
+            raise _Stale(RETRACE_FREED)
+        return members
 
     def unpack(self) -> None:
         """Gives every member a value of its own again, out of the flat buffers (one execution): a traced call
@@ -215,7 +220,7 @@ class _Program:
         call computed (after its cut, before :meth:`pack`; one execution). XLA may compile the program embedded
         in the replayed one otherwise than alone (seen: a ResNet-18 step, 1e-7 apart)."""
         with torch.no_grad():
-            expected = [*(torch.cat([ref().detach().reshape(-1) for ref in group]) for group in self.groups),
+            expected = [*(torch.cat([t.detach().reshape(-1) for t in group]) for group in self._members()),
                         *results]
             same = [((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all()
                     for a, b in zip(shadow, expected)]
@@ -393,20 +398,17 @@ class ReplayedStep:
         if program is None:
             self._always_trace(cause)
             return out
-        if shadow is not None:
-            leaves, _ = pytree.tree_flatten(out)
-            results = [leaf for leaf, (is_output, _) in
-                       sorted(zip(leaves, program.result_leaves), key=lambda p: p[1][1] if p[1][0] else -1)
-                       if is_output]
-            if any(ref() is None for group in program.groups for ref in group):
-                self._always_trace(REPLAY_RETRACE_CAUSES[RETRACE_FREED])
-                return out
-            if not program.matches(shadow, results):
-                # Not bitwise the traced call's: the next call captures the traced program itself, unpacked.
-                log.debug("replayed step: the packed program differs from the traced call; captured unpacked next")
-                self.packed = False
-                return out
         try:
+            if shadow is not None:
+                # The call's results in the order of the program's result outputs.
+                by_output = {i: leaf for leaf, (is_output, i) in zip(pytree.tree_flatten(out)[0], program.result_leaves)
+                             if is_output}
+                if not program.matches(shadow, [by_output[i] for i in range(len(by_output))]):
+                    # Not bitwise the traced call's: the next call captures the traced program itself, unpacked.
+                    log.debug("replayed step: the packed program differs from the traced call; captured unpacked "
+                              "next")
+                    self.packed = False
+                    return out
             program.pack()
         except _Stale as stale:
             self._always_trace(REPLAY_RETRACE_CAUSES[str(stale)])
